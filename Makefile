@@ -1,0 +1,34 @@
+# The README's commands. Each installs what is missing first (infra/setup.sh), so a fresh machine
+# needs nothing else.
+SHELL := /bin/bash
+VENV := .venv
+PYTEST_ARGS ?=
+
+.PHONY: run test setup infra-up infra-down infra-status bench clean
+
+## make run: set up, start the infrastructure, run the main job, stop what was started
+run: setup
+	infra/with-infra.sh $(VENV)/bin/rollstream smoke
+
+## make test: set up, start the infrastructure, run every test, stop what was started
+test: setup
+	infra/with-infra.sh $(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+setup:
+	infra/setup.sh
+
+infra-up: setup
+	infra/up.sh
+
+infra-down:
+	infra/down.sh
+
+infra-status:
+	-@infra/kafka.sh status; infra/minio.sh status
+
+## make bench: the platform benchmark (Kafka and MinIO against local baselines)
+bench: setup
+	infra/with-infra.sh $(VENV)/bin/rollstream bench bus
+
+clean: infra-down
+	rm -rf .run

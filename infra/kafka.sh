@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# A real single-node Apache Kafka broker (KRaft, combined broker+controller) on Java 17, without
+# Docker. Usage: infra/kafka.sh fetch|start|stop|status
+set -euo pipefail
+source "$(dirname "$0")/env.sh"
+
+LIBS="$ROLLSTREAM_CACHE/kafka-$KAFKA_VERSION/libs"
+DIR="$ROLLSTREAM_RUN/kafka"
+PIDFILE="$DIR/kafka.pid"
+
+fetch() {
+  [ -f "$LIBS/.complete" ] && return 0
+  command -v mvn >/dev/null || die "Maven is needed to fetch the Kafka jars"
+  log "fetching Apache Kafka $KAFKA_VERSION jars with Maven into $LIBS (once per user)"
+  rm -rf "$LIBS"; mkdir -p "$LIBS"
+  mvn -B -q -Dstyle.color=never -f "$ROLLSTREAM_ROOT/infra/kafka/pom.xml" -Dkafka.version="$KAFKA_VERSION" \
+    dependency:copy-dependencies -DincludeScope=runtime -DoutputDirectory="$LIBS" >&2
+  ls "$LIBS"/kafka_2.13-"$KAFKA_VERSION".jar >/dev/null || die "Maven did not deliver kafka_2.13-$KAFKA_VERSION.jar"
+  touch "$LIBS/.complete"
+}
+
+write_config() {
+  mkdir -p "$DIR/data" "$DIR/logs"
+  cat > "$DIR/server.properties" <<PROPS
+process.roles=broker,controller
+node.id=1
+controller.quorum.voters=1@$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$DIR/data
+num.partitions=4
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=8
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+auto.create.topics.enable=false
+# Trajectories of 8k tokens are ~70 kB raw; weight manifests and large batches more.
+message.max.bytes=16777216
+replica.fetch.max.bytes=16777216
+socket.request.max.bytes=209715200
+log.retention.hours=168
+PROPS
+}
+
+start() {
+  if pid_alive "$PIDFILE"; then log "Kafka already running (pid $(cat "$PIDFILE")) on $KAFKA_HOST:$KAFKA_PORT"; return 0; fi
+  if port_open "$KAFKA_HOST" "$KAFKA_PORT"; then die "port $KAFKA_HOST:$KAFKA_PORT is taken by another process; set KAFKA_PORT"; fi
+  fetch
+  write_config
+  local cp="$LIBS/*"
+  local log4j="$ROLLSTREAM_ROOT/infra/kafka/log4j2.yaml"
+  local java_opts=(-Xms256m "-Xmx${KAFKA_HEAP_MB}m" -XX:+UseG1GC -Djava.awt.headless=true
+                   "-Dlog4j2.configurationFile=$log4j" "-Dkafka.logs.dir=$DIR/logs")
+  if [ ! -f "$DIR/data/meta.properties" ]; then
+    log "formatting KRaft storage in $DIR/data"
+    java "${java_opts[@]}" -cp "$cp" kafka.tools.StorageTool format \
+      -t "$(java -cp "$cp" kafka.tools.StorageTool random-uuid 2>/dev/null | tail -1)" \
+      -c "$DIR/server.properties" > "$DIR/logs/format.log" 2>&1 || { cat "$DIR/logs/format.log" >&2; die "formatting Kafka storage failed"; }
+  fi
+  log "starting Apache Kafka $KAFKA_VERSION on $KAFKA_HOST:$KAFKA_PORT (logs: $DIR/logs)"
+  setsid nohup java "${java_opts[@]}" -cp "$cp" kafka.Kafka "$DIR/server.properties" \
+    > "$DIR/logs/stdout.log" 2>&1 < /dev/null &
+  echo $! > "$PIDFILE"
+  local i
+  for i in $(seq 1 120); do
+    if port_open "$KAFKA_HOST" "$KAFKA_PORT"; then log "Kafka answers on $KAFKA_HOST:$KAFKA_PORT"; return 0; fi
+    pid_alive "$PIDFILE" || { tail -40 "$DIR/logs/stdout.log" >&2; die "Kafka exited during start-up"; }
+    sleep 0.5
+  done
+  tail -40 "$DIR/logs/stdout.log" >&2; die "Kafka did not open $KAFKA_HOST:$KAFKA_PORT within 60 s"
+}
+
+case "${1:-}" in
+  fetch) fetch ;;
+  start) start ;;
+  stop) stop_pid "$PIDFILE" Kafka ;;
+  status) pid_alive "$PIDFILE" && echo "kafka: running (pid $(cat "$PIDFILE")) on $KAFKA_HOST:$KAFKA_PORT" || { echo "kafka: stopped"; exit 1; } ;;
+  *) echo "usage: $0 fetch|start|stop|status" >&2; exit 2 ;;
+esac

@@ -1,0 +1,53 @@
+"""The `rollstream` command line.
+
+Every subcommand lives in its own module and is registered here. Conventions (STYLE.md):
+machine-readable output with `--json` on stdout, progress and logs on stderr, a user mistake
+ends in one line and a non-zero exit, and each command's help shows an example.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from pipeline import bench_bus, infra_cmd, smoke
+
+app = typer.Typer(
+    name="rollstream",
+    help="Reinforcement learning for LLM agents as an event-streaming dataflow on Apache Kafka.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks: each prints a table, or one JSON object with --json.", no_args_is_help=True)
+
+app.add_typer(infra_cmd.app, name="infra")
+app.add_typer(bench_app, name="bench")
+app.command("smoke")(smoke.smoke)
+bench_app.command("bus")(bench_bus.bench_bus)
+
+
+def _not_built(name: str, issue: int) -> None:
+    """Registers a subcommand that a later issue fills in: it fails loudly instead of pretending."""
+
+    def command() -> None:
+        typer.echo(f"rollstream {name}: not built yet (issue #{issue})", err=True)
+        raise typer.Exit(code=2)
+
+    command.__doc__ = f"Not built yet (issue #{issue})."
+    app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
+
+
+for _name, _issue in [
+    ("engine", 4), ("env-worker", 4), ("model", 4), ("env", 3),
+    ("dispatch", 5), ("streams", 5), ("advantages", 5),
+    ("learner", 6), ("up", 7), ("eval", 7), ("replay", 7), ("report", 7),
+]:
+    _not_built(_name, _issue)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
