@@ -4,7 +4,7 @@ SHELL := /bin/bash
 VENV := .venv
 PYTEST_ARGS ?=
 
-.PHONY: run test setup infra-up infra-down infra-status bench clean
+.PHONY: run test setup infra-up infra-down infra-status bench docker-context clean
 
 ## make run: set up, start the infrastructure, run the main job, stop what was started
 run: setup
@@ -29,6 +29,10 @@ infra-status:
 ## make bench: the platform benchmark (Kafka and MinIO against local baselines)
 bench: setup
 	infra/with-infra.sh $(VENV)/bin/rollstream bench bus
+
+## make docker-context: put the CPU torch wheel where infra/Dockerfile expects it
+docker-context:
+	mkdir -p .wheels && cp ../shared/wheels/*.whl .wheels/
 
 clean: infra-down
 	rm -rf .run

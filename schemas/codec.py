@@ -111,6 +111,7 @@ class EventCodec:
         self._parsed: dict[str, Any] = {}                  # event type -> fastavro parsed schema
         self._fingerprints: dict[str, bytes] = {}           # event type -> current fingerprint
         self._writers: dict[bytes, tuple[str, Any]] = {}    # fingerprint -> (event type, parsed)
+        self._history: dict[tuple[str, int], tuple[bytes, Any]] = {}  # (type, version) -> (fp, parsed)
         for event_type in EVENT_TYPES:
             raw = _load(schema_dir / f"{event_type}.avsc")
             expanded = _expand(raw, named, set())
@@ -119,9 +120,11 @@ class EventCodec:
             event_type = path.name.split(".")[0]
             if event_type not in self._schemas:
                 raise ValueError(f"history schema {path.name} names no current event type")
-            self._register(event_type, _expand(_load(path), named, set()), current=False)
+            version = int(path.name.split(".")[1].lstrip("v"))
+            fp, parsed = self._register(event_type, _expand(_load(path), named, set()), current=False)
+            self._history[(event_type, version)] = (fp, parsed)
 
-    def _register(self, event_type: str, expanded: dict[str, Any], *, current: bool) -> None:
+    def _register(self, event_type: str, expanded: dict[str, Any], *, current: bool) -> tuple[bytes, Any]:
         parsed = fastavro.parse_schema(copy.deepcopy(expanded))
         fp = _fingerprint(expanded)
         if fp in self._writers and self._writers[fp][0] != event_type:
@@ -131,6 +134,7 @@ class EventCodec:
             self._schemas[event_type] = expanded
             self._parsed[event_type] = parsed
             self._fingerprints[event_type] = fp
+        return fp, parsed
 
     # -- introspection -------------------------------------------------------------------
     def schema(self, event_type: str) -> dict[str, Any]:
@@ -149,16 +153,23 @@ class EventCodec:
         return event_type
 
     # -- encode / decode -----------------------------------------------------------------
-    def encode(self, event_type: str, value: dict[str, Any]) -> bytes:
-        """Validates `value` against the current schema and returns its single-object encoding."""
-        parsed = self._parsed[self._check_type(event_type)]
+    def encode(self, event_type: str, value: dict[str, Any], *, schema_version: int | None = None) -> bytes:
+        """Validates `value` against the current schema (or the historical `schema_version` in
+        avro/history/, as an older producer would write it) and returns its single-object encoding."""
+        self._check_type(event_type)
+        if schema_version is None:
+            fp, parsed = self._fingerprints[event_type], self._parsed[event_type]
+        elif (event_type, schema_version) in self._history:
+            fp, parsed = self._history[(event_type, schema_version)]
+        else:
+            raise KeyError(f"no history schema {event_type}.v{schema_version}.avsc")
         try:
             validate(value, parsed, raise_errors=True)
         except ValidationError as e:
             raise InvalidEvent(f"{event_type}: {e}") from None
         buf = io.BytesIO()
         buf.write(MAGIC)
-        buf.write(self._fingerprints[event_type])
+        buf.write(fp)
         fastavro.schemaless_writer(buf, parsed, value)
         return buf.getvalue()
 

@@ -1,0 +1,205 @@
+"""The dispatcher's pure planning: which groups to request next, how many, and when to validate.
+
+Order (AgentRL's interleave + cycle): the configured training sources (task family, split,
+sample count) take turns round-robin, one group each; each source cycles through its own samples
+independently, and a source's `epoch` counts its completed passes. So global position k maps to
+source k % S, the j = k // S-th group of that source: sample j % count, epoch j // count. Because
+this mapping is a pure function of k, the cursor is just a position, and a restart rebuilds it
+from what tasks.requested already holds.
+
+Flow control: at most max_in_flight groups may be dispatched and not yet in a trained batch
+(AgentRL's queue size, 2 x batch_size groups), which bounds off-policy drift without a barrier.
+
+Validation: every val_interval learner versions, round r = version // val_interval dispatches
+every sample of the validation sources with n = 4, validation=True (the router keeps those on the
+current pool), and epoch = r so each round has its own group ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class TaskSource(BaseModel):
+    """One (task family, split) the dispatcher draws samples from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task: str
+    """Task family (data_source), e.g. os, db, kg, webshop, alfworld."""
+    split: str
+    """Split of the family's data, e.g. train, dev."""
+    count: int = Field(ge=1)
+    """Number of samples in that split (sample indices 0..count-1)."""
+
+
+class DispatcherSettings(BaseModel):
+    """Settings of the dispatcher (pipeline/); composed into the run configuration."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    sources: tuple[TaskSource, ...] = Field(min_length=1)
+    """Training sources, interleaved round-robin in this order (paper: five task families)."""
+    validation_sources: tuple[TaskSource, ...] = ()
+    """Validation sources, every sample dispatched each validation round (paper: the dev splits)."""
+    group_size: int = Field(8, ge=1)
+    """Rollouts per training sample, n (paper: 8)."""
+    batch_size: int = Field(256, ge=1)
+    """Groups per training batch (paper: 256); sets the default in-flight bound."""
+    max_in_flight_groups: int | None = Field(None, ge=1)
+    """Groups dispatched and not yet in a trained batch; None means 2 x batch_size (AgentRL's queue size)."""
+    val_interval: int = Field(25, ge=1)
+    """Validate every this many learner versions (paper: every 25 steps)."""
+    val_group_size: int = Field(4, ge=1)
+    """Rollouts per validation sample (paper: n = 4)."""
+    val_before_train: bool = True
+    """Run validation round 0 at version 0, before any training step (verl's val_before_train)."""
+
+    @model_validator(mode="after")
+    def _train_and_validation_sources_are_disjoint(self) -> DispatcherSettings:
+        # group ids hash (run, task, split, sample_index, epoch): a (task, split) used for both
+        # training and validation would give a training and a validation group the same id.
+        train = {(s.task, s.split) for s in self.sources}
+        both = train & {(s.task, s.split) for s in self.validation_sources}
+        if both:
+            raise ValueError(f"(task, split) used for training and validation: {sorted(both)}")
+        if len(train) != len(self.sources):
+            raise ValueError("a (task, split) is listed twice in sources")
+        return self
+
+    @property
+    def in_flight_bound(self) -> int:
+        """The in-flight limit in groups."""
+        return self.max_in_flight_groups if self.max_in_flight_groups is not None else 2 * self.batch_size
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One group to dispatch: the sample it rolls out."""
+
+    task: str
+    split: str
+    sample_index: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where training dispatch stands: the first position not dispatched yet, and positions past
+    it that already were (a restart can find gaps: a crash between two produces, or group events
+    spread over partitions), which are skipped instead of dispatched twice."""
+
+    position: int = 0
+    ahead: frozenset[int] = frozenset()
+
+
+def group_id(run: str, task: str, split: str, sample_index: int, epoch: int) -> str:
+    """Deterministic group id: the first 32 hex digits of sha256(run, task, split, sample_index, epoch)."""
+    key = "\x1f".join((run, task, split, str(sample_index), str(epoch)))
+    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def slot_at(sources: Sequence[TaskSource], position: int) -> Slot:
+    """The sample at global interleave position `position`."""
+    source = sources[position % len(sources)]
+    j = position // len(sources)
+    return Slot(source.task, source.split, j % source.count, j // source.count)
+
+
+def position_of(sources: Sequence[TaskSource], slot: Slot) -> int:
+    """Inverse of slot_at; ValueError when the slot does not belong to the training sources."""
+    for f, source in enumerate(sources):
+        if (source.task, source.split) == (slot.task, slot.split):
+            if not 0 <= slot.sample_index < source.count or slot.epoch < 0:
+                raise ValueError(f"{slot} is outside {source.task}/{source.split} (count {source.count})")
+            return (slot.epoch * source.count + slot.sample_index) * len(sources) + f
+    raise ValueError(f"{slot.task}/{slot.split} is not a training source")
+
+
+def cursor_from_dispatched(sources: Sequence[TaskSource], dispatched: Iterable[Slot]) -> Cursor:
+    """Rebuilds the cursor from the training groups already in tasks.requested, so a restart
+    neither re-dispatches nor skips a sample."""
+    done = {position_of(sources, s) for s in dispatched}
+    position = 0
+    while position in done:
+        position += 1
+    return Cursor(position, frozenset(p for p in done if p > position))
+
+
+def next_slots(sources: Sequence[TaskSource], cursor: Cursor, budget: int) -> tuple[list[Slot], Cursor]:
+    """Up to `budget` next slots in interleave order, skipping already-dispatched positions, and
+    the cursor after them."""
+    slots: list[Slot] = []
+    position, ahead = cursor.position, set(cursor.ahead)
+    while len(slots) < budget:
+        if position in ahead:
+            ahead.discard(position)
+        else:
+            slots.append(slot_at(sources, position))
+        position += 1
+    while position in ahead:
+        ahead.discard(position)
+        position += 1
+    return slots, Cursor(position, frozenset(ahead))
+
+
+def in_flight(dispatched: Iterable[str], trained: Iterable[str], released: Iterable[str] = ()) -> int:
+    """Training groups dispatched and neither in a trained batch nor released (dropped by the
+    aggregator, which never reach a batch and would otherwise hold credit forever)."""
+    return len(set(dispatched) - set(trained) - set(released))
+
+
+def dispatch_budget(settings: DispatcherSettings, groups_in_flight: int) -> int:
+    """How many more groups may be dispatched now."""
+    return max(0, settings.in_flight_bound - groups_in_flight)
+
+
+def requests_for(run: str, slot: Slot, group_size: int, validation: bool, policy_version: int,
+                 now_ms: int) -> list[dict[str, Any]]:
+    """The n task_requested events (schemas/avro/task_requested.avsc) of one group."""
+    gid = group_id(run, slot.task, slot.split, slot.sample_index, slot.epoch)
+    return [{
+        "run": run,
+        "group_id": gid,
+        "member": member,
+        "group_size": group_size,
+        "task": slot.task,
+        "split": slot.split,
+        "sample_index": slot.sample_index,
+        "epoch": slot.epoch,
+        "validation": validation,
+        "policy_version": policy_version,
+        "dispatched_at_ms": now_ms,
+    } for member in range(group_size)]
+
+
+def plan_training(run: str, settings: DispatcherSettings, cursor: Cursor, groups_in_flight: int,
+                  policy_version: int, now_ms: int) -> tuple[list[dict[str, Any]], Cursor]:
+    """The training requests to send now (whole groups, within the in-flight bound) and the new cursor."""
+    slots, cursor = next_slots(settings.sources, cursor, dispatch_budget(settings, groups_in_flight))
+    events = [e for s in slots for e in requests_for(run, s, settings.group_size, False, policy_version, now_ms)]
+    return events, cursor
+
+
+def validation_round_due(learner_version: int, done_rounds: Iterable[int], settings: DispatcherSettings) -> int | None:
+    """The validation round to dispatch at this learner version, if any: the latest round
+    (version // val_interval) not yet dispatched. Rounds the learner jumped past are not made up."""
+    if not settings.validation_sources:
+        return None
+    latest = learner_version // settings.val_interval
+    if latest == 0 and not settings.val_before_train:
+        return None
+    return None if latest in set(done_rounds) else latest
+
+
+def plan_validation(run: str, settings: DispatcherSettings, round_: int, policy_version: int,
+                    now_ms: int) -> list[dict[str, Any]]:
+    """Every sample of every validation source, n = val_group_size, validation=True, epoch = round."""
+    return [e for s in settings.validation_sources for i in range(s.count)
+            for e in requests_for(run, Slot(s.task, s.split, i, round_), settings.val_group_size,
+                                  True, policy_version, now_ms)]

@@ -1,0 +1,132 @@
+"""GRPO group advantages and per-task token-weighted advantage normalization (AgentRL).
+
+1. GRPO, as AgentRL's code computes it: A_g = (R_g - mean(R)) / (std(R) + eps) within each group,
+   std Bessel-corrected by default (torch's default); a group of one uses mean 0 and std 1, so its
+   advantage is R / (1 + eps). Masked members (infrastructure failures) take no part and get 0.
+2. Task normalization, as AgentRL's adv_norm: within one batch, for each task (data_source)
+   separately, every action token (loss_mask 1) carries its trajectory's advantage, and those
+   tokens are standardized: A~ = (A - mu_task) / (sigma_task + eps). Token-weighted, so the
+   statistics come from (advantage, action-token count) pairs without expanding the tokens.
+
+Degenerate token sets (documented choice, not from the paper): a task with fewer than two action
+tokens has no Bessel std (torch would return nan); we define the std of zero or one token as 0,
+as the population std is. The same holds whenever all of a task's tokens carry one advantage (one
+trajectory of that task in the batch, or all-equal advantages): the std is 0, every token equals
+the mean, so the final advantage is exactly 0 — the task contributes no policy-gradient signal
+in that batch instead of an eps-amplified one. A task with no action tokens at all has mean 0,
+std 0, and final advantages 0 (they multiply no token anyway).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from streams.settings import StdKind
+
+
+def weighted_mean_std(values: np.ndarray, weights: np.ndarray, std: StdKind) -> tuple[float, float]:
+    """Mean and std of `values` where value i occurs weights[i] times (integer counts).
+
+    Bessel divides by (N - 1) with N = sum(weights); the std of fewer than two items is 0.
+    """
+    total = float(weights.sum())
+    if total == 0:
+        return 0.0, 0.0
+    mean = float((values * weights).sum() / total)
+    ddof = 1 if std == "bessel" else 0
+    if total - ddof <= 0:
+        return mean, 0.0
+    var = float((weights * (values - mean) ** 2).sum() / (total - ddof))
+    return mean, float(np.sqrt(var))
+
+
+def group_reward_stats(rewards: np.ndarray, std: StdKind) -> tuple[float, float]:
+    """(mean, std) GRPO uses for one group's rewards: (0, 1) for a group of one."""
+    if len(rewards) == 1:
+        return 0.0, 1.0
+    return weighted_mean_std(rewards, np.ones_like(rewards), std)
+
+
+def grpo_advantages(
+    rewards: Sequence[float] | np.ndarray,
+    group_ids: Sequence[Hashable],
+    std: StdKind = "bessel",
+    eps: float = 1e-6,
+    valid: Sequence[bool] | np.ndarray | None = None,
+) -> np.ndarray:
+    """Per-trajectory GRPO advantages; members with valid=False are excluded and get 0."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if len(group_ids) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(group_ids)} group ids")
+    keep = np.ones(len(r), dtype=bool) if valid is None else np.asarray(valid, dtype=bool)
+    if len(keep) != len(r):
+        raise ValueError(f"{len(r)} rewards but {len(keep)} valid flags")
+    out = np.zeros(len(r), dtype=np.float64)
+    members: dict[Hashable, list[int]] = {}
+    for i, g in enumerate(group_ids):
+        if keep[i]:
+            members.setdefault(g, []).append(i)
+    for idx in members.values():
+        mean, sd = group_reward_stats(r[idx], std)
+        out[idx] = (r[idx] - mean) / (sd + eps)
+    return out
+
+
+@dataclass(frozen=True)
+class TaskStats:
+    """Token-weighted advantage statistics of one task in one batch."""
+
+    trajectories: int
+    tokens: int
+    mean_before: float
+    std_before: float
+    mean_after: float
+    std_after: float
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def task_normalize_counts(
+    advantages: Sequence[float] | np.ndarray,
+    task_ids: Sequence[Hashable],
+    token_counts: Sequence[int] | np.ndarray,
+    std: StdKind = "bessel",
+    eps: float = 1e-6,
+) -> tuple[np.ndarray, dict[Hashable, TaskStats]]:
+    """Task normalization from per-trajectory action-token counts (what the batcher has when
+    arrays were offloaded). Returns final advantages and per-task stats, tasks in first-seen order."""
+    a = np.asarray(advantages, dtype=np.float64)
+    counts = np.asarray(token_counts, dtype=np.float64)
+    if not len(a) == len(task_ids) == len(counts):
+        raise ValueError(f"{len(a)} advantages, {len(task_ids)} task ids, {len(counts)} token counts")
+    final = np.zeros(len(a), dtype=np.float64)
+    stats: dict[Hashable, TaskStats] = {}
+    members: dict[Hashable, list[int]] = {}
+    for i, t in enumerate(task_ids):
+        members.setdefault(t, []).append(i)
+    for task, idx in members.items():
+        w = counts[idx]
+        mean, sd = weighted_mean_std(a[idx], w, std)
+        # sd == 0 means every token equals the mean; dividing float rounding noise by eps
+        # would turn an exact 0 into ~1e-11, so those stay 0.
+        if sd > 0:
+            final[idx] = (a[idx] - mean) / (sd + eps)
+        mean_after, std_after = weighted_mean_std(final[idx], w, std)
+        stats[task] = TaskStats(len(idx), int(w.sum()), mean, sd, mean_after, std_after)
+    return final, stats
+
+
+def task_normalize(
+    advantages: Sequence[float] | np.ndarray,
+    task_ids: Sequence[Hashable],
+    loss_masks: Sequence[Sequence[int] | np.ndarray],
+    std: StdKind = "bessel",
+    eps: float = 1e-6,
+) -> tuple[np.ndarray, dict[Hashable, TaskStats]]:
+    """Per-task token-weighted standardization over the tokens with loss_mask 1."""
+    counts = [int(np.count_nonzero(np.asarray(m))) for m in loss_masks]
+    return task_normalize_counts(advantages, task_ids, counts, std=std, eps=eps)

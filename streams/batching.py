@@ -1,0 +1,118 @@
+"""Batch cutting as pure logic: which ready groups form the next training batch, and the batch.
+
+AgentRL's asynchronous rule: when the learner asks for a batch (its credit), take *all* ready
+trajectories, provided there are at least min_trajectories (batch_size * n; the first batch waits
+for first_batch_factor times that), rounded down to a multiple of lcm(n, data_parallel_multiple).
+
+Groups are never split: GRPO advantages are relative to the group, and training half a group
+would bias them. So selection walks the ready groups in arrival order and takes each whole group
+that still fits under the rounded-down count; a group that would straddle it (and any later
+group that does not fit) stays ready for the next batch. With full groups of n the batch is
+exactly the rounded count; masked groups (fewer than n trainable members) can leave it a few
+trajectories below, never above. Masked members are not trained and are not counted.
+
+The cut condition is on what is ready (as the paper states it), not on what the rounding
+leaves: with masked groups, or a multiple that does not divide min_trajectories, a batch can
+hold a few trajectories fewer than the minimum rather than wait for another whole round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.arrays import unpack_mask
+from streams.advantages import task_normalize_counts
+from streams.settings import StreamsSettings
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """Whether to cut now; `groups` is the selection (arrival order), `remaining` stays ready."""
+
+    cut: bool
+    reason: str
+    groups: list[dict[str, Any]]
+    remaining: list[dict[str, Any]]
+    trajectories: int
+
+
+def trainable_members(group: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """Members of a group that are trained on (not masked)."""
+    return [m for m in group["members"] if not m["masked"]]
+
+
+def required_trajectories(batch_index: int, settings: StreamsSettings) -> int:
+    """Trajectories batch number `batch_index` (from 0) waits for: the first waits for 1.7x."""
+    return settings.first_batch_trajectories if batch_index == 0 else settings.min_trajectories
+
+
+def plan_batch(ready: Sequence[dict[str, Any]], credit_version: int | None, batch_index: int,
+               settings: StreamsSettings) -> BatchPlan:
+    """Decides whether to cut batch `batch_index` from the ready groups (arrival order).
+
+    credit_version is the learner version that asked for a batch and has not been answered yet
+    (None: no outstanding request, so nothing is cut). Validation groups must not be offered.
+    """
+    if any(g["validation"] for g in ready):
+        raise ValueError("validation groups are never batched; do not offer them to the batcher")
+    available = sum(len(trainable_members(g)) for g in ready)
+    if credit_version is None:
+        return BatchPlan(False, "no credit", [], list(ready), 0)
+    required = required_trajectories(batch_index, settings)
+    if available < required:
+        return BatchPlan(False, f"waiting: {available} of {required} trajectories ready", [], list(ready), 0)
+    multiple = settings.trajectory_multiple
+    target = available // multiple * multiple
+    taken: list[dict[str, Any]] = []
+    left: list[dict[str, Any]] = []
+    count = 0
+    for g in ready:
+        size = len(trainable_members(g))
+        if count + size <= target:
+            taken.append(g)
+            count += size
+        else:
+            left.append(g)
+    return BatchPlan(True, "cut", taken, left, count)
+
+
+def batch_id(run: str, group_ids: Sequence[str]) -> str:
+    """Deterministic batch id: sha256 of the run and the sorted group ids (order-insensitive)."""
+    h = hashlib.sha256(run.encode())
+    for gid in sorted(group_ids):
+        h.update(b"\x1f" + gid.encode())
+    return h.hexdigest()
+
+
+def action_tokens(trajectory: Mapping[str, Any]) -> int:
+    """Tokens with loss_mask 1. When the arrays were offloaded (arrays_uri set, loss_mask empty)
+    the per-turn lengths, which count exactly those tokens, stand in for the mask."""
+    if trajectory["arrays_uri"] is None:
+        return int(unpack_mask(trajectory["loss_mask"]).sum())
+    return sum(t["length"] for t in trajectory["turns"])
+
+
+def build_batch(run: str, index: int, credit_version: int, groups: Sequence[Mapping[str, Any]],
+                settings: StreamsSettings, now_ms: int) -> dict[str, Any]:
+    """The batches event (schemas/avro/batch.avsc): unmasked members with their GRPO advantage
+    and their final advantage after per-task token-weighted normalization (tasks sorted by name)."""
+    members = [m for g in groups for m in trainable_members(g)]
+    tasks: list[Hashable] = [m["trajectory"]["task"] for m in members]
+    group_adv = [m["advantage"] for m in members]
+    final, stats = task_normalize_counts(
+        group_adv, tasks, [action_tokens(m["trajectory"]) for m in members], settings.std, settings.eps)
+    group_ids = [g["group_id"] for g in groups]
+    return {
+        "batch_id": batch_id(run, group_ids),
+        "run": run,
+        "index": index,
+        "credit_version": credit_version,
+        "group_ids": group_ids,
+        "items": [{"trajectory": m["trajectory"], "group_advantage": float(m["advantage"]),
+                   "advantage": float(a)} for m, a in zip(members, final)],
+        "task_stats": [{"task": task, **stats[task].as_dict()} for task in sorted(stats)],
+        "created_at_ms": now_ms,
+    }

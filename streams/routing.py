@@ -1,0 +1,156 @@
+"""Stale-engine routing (AgentRL cross-policy sampling) and the engine registry, as pure logic.
+
+Every turn of every trajectory goes to the stale pool with probability stale_ratio, else to the
+current pool. The router draws the whole per-turn plan up front from a seed derived from
+(run, group_id, member) with sha256, so a replay of tasks.requested reproduces every plan
+(Python's hash() is salted per process and would not).
+
+The registry folds `engines` heartbeats (schemas/avro/engine_heartbeat.avsc) into a plain dict
+keyed by engine_id — the value a Faust table would hold — and summarizes it per pool at a given
+clock reading `now_ms`; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CURRENT = "current"
+STALE = "stale"
+POOLS = (CURRENT, STALE)
+
+REASON_MIXED = "mixed"
+REASON_VALIDATION = "validation"
+REASON_NO_STALE_ENGINE = "no healthy stale engine"
+REASON_STALE_BEHIND = "stale pool too far behind"
+REASON_RATIO_ZERO = "stale_ratio is 0"
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """Live engines of one pool: their ids and the oldest weight version any of them has loaded."""
+
+    engines: tuple[str, ...]
+    loaded_version: int | None  # min over live engines; None when the pool has none
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.engines)
+
+
+@dataclass(frozen=True)
+class RoutingPlan:
+    """The per-turn pool plan of one task member (fields map onto schemas/avro/task.avsc)."""
+
+    turn_pools: list[str]
+    seed: int
+    stale_ratio: float
+    reason: str
+    stale_version: int | None
+
+
+def routing_seed(run: str, group_id: str, member: int) -> int:
+    """Deterministic non-negative 63-bit seed (fits Avro's signed long) from (run, group_id, member)."""
+    digest = hashlib.sha256(f"{run}\x1f{group_id}\x1f{member}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def stale_schedule(learner_version: int, stale_step: int) -> int:
+    """The version the stale pool should hold: the latest multiple of stale_step <= learner_version."""
+    return (learner_version // stale_step) * stale_step
+
+
+def plan_turn_pools(
+    run: str,
+    group_id: str,
+    member: int,
+    max_turns: int,
+    stale_ratio: float,
+    stale_pool: PoolState | None,
+    validation: bool,
+    max_stale_lag: int,
+    *,
+    learner_version: int,
+    stale_step: int,
+) -> RoutingPlan:
+    """Draws the pool of each of max_turns turns, or falls back to current-only with a reason.
+
+    Current-only when: the task is a validation task; the stale pool has no live healthy engine;
+    or its oldest loaded version trails stale_schedule(learner_version) by more than
+    max_stale_lag. The seed is always derived, so the plan records it even when unused.
+    """
+    seed = routing_seed(run, group_id, member)
+    stale_version = stale_pool.loaded_version if stale_pool is not None else None
+    reason = _current_only_reason(
+        stale_ratio, stale_pool, validation, max_stale_lag, learner_version, stale_step)
+    if reason is not None:
+        return RoutingPlan([CURRENT] * max_turns, seed, 0.0, reason, stale_version)
+    rng = random.Random(seed)
+    pools = [STALE if rng.random() < stale_ratio else CURRENT for _ in range(max_turns)]
+    return RoutingPlan(pools, seed, stale_ratio, REASON_MIXED, stale_version)
+
+
+def _current_only_reason(
+    stale_ratio: float,
+    stale_pool: PoolState | None,
+    validation: bool,
+    max_stale_lag: int,
+    learner_version: int,
+    stale_step: int,
+) -> str | None:
+    if validation:
+        return REASON_VALIDATION
+    if stale_ratio <= 0:
+        return REASON_RATIO_ZERO
+    if stale_pool is None or not stale_pool.healthy or stale_pool.loaded_version is None:
+        return REASON_NO_STALE_ENGINE
+    if stale_schedule(learner_version, stale_step) - stale_pool.loaded_version > max_stale_lag:
+        return REASON_STALE_BEHIND
+    return None
+
+
+def task_event(request: dict[str, Any], plan: RoutingPlan, routed_at_ms: int) -> dict[str, Any]:
+    """The `tasks` event (schemas/avro/task.avsc) for a task_requested dict and its plan."""
+    return {
+        "request": request,
+        "turn_pools": list(plan.turn_pools),
+        "routing_seed": plan.seed,
+        "stale_ratio": plan.stale_ratio,
+        "routing_reason": plan.reason,
+        "stale_version": plan.stale_version,
+        "routed_at_ms": routed_at_ms,
+    }
+
+
+# -- engine registry ------------------------------------------------------------------------
+
+def fold_heartbeat(registry: Mapping[str, dict[str, Any]], heartbeat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Returns the registry with this heartbeat applied; an older heartbeat than the one held for
+    the engine (out-of-order delivery, replay) is ignored, so folding is order-insensitive."""
+    held = registry.get(heartbeat["engine_id"])
+    if held is not None and held["sent_at_ms"] > heartbeat["sent_at_ms"]:
+        return dict(registry)
+    return {**registry, heartbeat["engine_id"]: dict(heartbeat)}
+
+
+def is_live(heartbeat: Mapping[str, Any], now_ms: int, liveness_ms: int) -> bool:
+    """Healthy at its last probe, and that heartbeat is no older than the liveness timeout."""
+    return bool(heartbeat["healthy"]) and now_ms - heartbeat["sent_at_ms"] <= liveness_ms
+
+
+def pool_states(registry: Mapping[str, Mapping[str, Any]], now_ms: int, liveness_ms: int) -> dict[str, PoolState]:
+    """Per pool ("current", "stale"): live engines (sorted ids) and their oldest loaded version."""
+    live: dict[str, list[Mapping[str, Any]]] = {pool: [] for pool in POOLS}
+    for hb in registry.values():
+        if is_live(hb, now_ms, liveness_ms):
+            live[hb["pool"]].append(hb)
+    return {
+        pool: PoolState(
+            engines=tuple(sorted(hb["engine_id"] for hb in hbs)),
+            loaded_version=min((hb["loaded_version"] for hb in hbs), default=None),
+        )
+        for pool, hbs in live.items()
+    }

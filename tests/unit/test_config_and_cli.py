@@ -1,0 +1,44 @@
+"""Configuration sources and the CLI's behaviour for commands that do not exist yet."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from pipeline.cli import app
+from pipeline.config import load_config
+
+
+def test_environment_overrides_the_yaml_file_which_overrides_defaults(tmp_path, monkeypatch):
+    for var in ("KAFKA_HOST", "KAFKA_PORT", "MINIO_HOST", "MINIO_PORT", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"):
+        monkeypatch.delenv(var, raising=False)
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("run: from-file\nkafka:\n  bootstrap_servers: file:1\nobject_store:\n  endpoint: file:2\n")
+    monkeypatch.setenv("ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS", "env:9")
+    cfg = load_config(cfg_file)
+    assert cfg.run == "from-file"
+    assert cfg.kafka.bootstrap_servers == "env:9"
+    assert cfg.object_store.endpoint == "file:2"
+
+
+def test_infrastructure_variables_reach_the_clients(monkeypatch):
+    monkeypatch.setenv("KAFKA_PORT", "19092")
+    monkeypatch.setenv("MINIO_ROOT_USER", "alice")
+    monkeypatch.setenv("MINIO_ROOT_PASSWORD", "s3cret-pass")
+    cfg = load_config()
+    assert cfg.kafka.bootstrap_servers == "127.0.0.1:19092"
+    assert cfg.object_store.access_key == "alice"
+    assert cfg.object_store.secret_key.get_secret_value() == "s3cret-pass"
+    assert "s3cret-pass" not in repr(cfg)  # secrets are masked when printed
+
+
+def test_kafka_settings_become_each_clients_own_names():
+    cfg = load_config()
+    assert cfg.kafka.as_confluent()["bootstrap.servers"] == cfg.kafka.bootstrap_servers
+    assert cfg.kafka.as_kafka_python()["bootstrap_servers"] == cfg.kafka.bootstrap_servers.split(",")
+    assert cfg.kafka.faust_broker.startswith("kafka://")
+
+
+def test_a_subcommand_that_is_not_built_fails_loudly():
+    result = CliRunner().invoke(app, ["learner", "--resume"])
+    assert result.exit_code == 2
+    assert "not built yet (issue #6)" in result.output

@@ -1,0 +1,117 @@
+"""Per-turn pool routing plans and the engine registry."""
+
+import pytest
+
+from schemas.codec import encode
+from streams.routing import (
+    REASON_MIXED, REASON_NO_STALE_ENGINE, REASON_RATIO_ZERO, REASON_STALE_BEHIND, REASON_VALIDATION,
+    PoolState, fold_heartbeat, plan_turn_pools, pool_states, routing_seed, stale_schedule, task_event,
+)
+
+STALE_OK = PoolState(engines=("s0",), loaded_version=25)
+
+
+def plan(member=0, stale_pool=STALE_OK, validation=False, learner_version=30, max_stale_lag=5,
+         stale_ratio=0.25, group_id="g1"):
+    return plan_turn_pools("run", group_id, member, 20, stale_ratio, stale_pool, validation, max_stale_lag,
+                           learner_version=learner_version, stale_step=25)
+
+
+def heartbeat(engine_id, pool, version, sent, healthy=True):
+    return {"engine_id": engine_id, "pool": pool, "url": f"http://{engine_id}", "model": "m",
+            "loaded_version": version, "queue_depth": 0, "running": 0, "healthy": healthy,
+            "detail": "", "sent_at_ms": sent}
+
+
+def test_plan_is_reproducible_from_run_group_and_member():
+    assert plan() == plan()
+    assert plan().seed == routing_seed("run", "g1", 0)
+    assert plan(member=1).seed != plan().seed
+
+
+def test_seed_is_a_known_sha256_value_not_pythons_salted_hash():
+    # pinned: a replay in another process (another PYTHONHASHSEED) must draw the same plan
+    assert routing_seed("run", "g1", 0) == routing_seed("run", "g1", 0)
+    assert 0 <= routing_seed("run", "g1", 0) < 2**63
+    assert routing_seed("run", "g1", 0) == 5579803540676337787
+
+
+def test_mixed_plan_has_one_pool_per_turn_and_records_its_ratio():
+    p = plan()
+    assert len(p.turn_pools) == 20 and set(p.turn_pools) <= {"current", "stale"}
+    assert (p.reason, p.stale_ratio, p.stale_version) == (REASON_MIXED, 0.25, 25)
+
+
+def test_realized_stale_share_over_many_draws_is_close_to_ratio():
+    pools = [pool for m in range(500) for pool in plan(member=m, group_id=f"g{m % 7}").turn_pools]
+    share = pools.count("stale") / len(pools)
+    assert abs(share - 0.25) < 0.015  # 10,000 turns: 5 standard deviations is about 0.022
+
+
+def test_validation_tasks_go_to_the_current_pool_only():
+    p = plan(validation=True)
+    assert p.turn_pools == ["current"] * 20 and p.reason == REASON_VALIDATION and p.stale_ratio == 0.0
+
+
+def test_no_healthy_stale_engine_routes_current_only():
+    for pool in (None, PoolState(engines=(), loaded_version=None)):
+        p = plan(stale_pool=pool)
+        assert p.turn_pools == ["current"] * 20 and p.reason == REASON_NO_STALE_ENGINE
+
+
+def test_stale_pool_too_far_behind_its_schedule_routes_current_only():
+    # learner at 57: schedule 50; stale pool on 25 trails it by 25 > 5
+    p = plan(learner_version=57)
+    assert p.turn_pools == ["current"] * 20 and p.reason == REASON_STALE_BEHIND
+    assert p.stale_version == 25
+
+
+def test_stale_pool_within_its_lag_keeps_mixing():
+    assert plan(learner_version=54, stale_pool=PoolState(("s0",), 45)).reason == REASON_MIXED
+    assert plan(learner_version=54, stale_pool=PoolState(("s0",), 44)).reason == REASON_STALE_BEHIND
+
+
+def test_zero_stale_ratio_routes_current_only_with_reason():
+    p = plan(stale_ratio=0.0)
+    assert p.turn_pools == ["current"] * 20 and p.reason == REASON_RATIO_ZERO
+
+
+def test_stale_schedule_is_latest_multiple_of_stale_step():
+    assert [stale_schedule(v, 25) for v in (0, 24, 25, 49, 50)] == [0, 0, 25, 25, 50]
+
+
+def test_task_event_matches_the_task_schema():
+    request = {"run": "run", "group_id": "g1", "member": 0, "group_size": 8, "task": "os", "split": "train",
+               "sample_index": 3, "epoch": 0, "validation": False, "policy_version": 30, "dispatched_at_ms": 1}
+    event = task_event(request, plan(), routed_at_ms=2)
+    encode("task", event)
+    assert event["routing_seed"] == plan().seed and event["turn_pools"] == plan().turn_pools
+
+
+def test_registry_keeps_newest_heartbeat_per_engine_regardless_of_order():
+    new, old = heartbeat("s0", "stale", 25, sent=2000), heartbeat("s0", "stale", 0, sent=1000)
+    assert fold_heartbeat(fold_heartbeat({}, new), old)["s0"]["loaded_version"] == 25
+    assert fold_heartbeat(fold_heartbeat({}, old), new)["s0"]["loaded_version"] == 25
+
+
+def test_pool_state_counts_only_live_healthy_engines_and_their_oldest_version():
+    registry = {}
+    for hb in (heartbeat("c0", "current", 30, sent=9_000), heartbeat("c1", "current", 29, sent=9_500),
+               heartbeat("s0", "stale", 25, sent=9_000), heartbeat("s1", "stale", 0, sent=1_000),
+               heartbeat("s2", "stale", 0, sent=9_000, healthy=False)):
+        registry = fold_heartbeat(registry, hb)
+    states = pool_states(registry, now_ms=10_000, liveness_ms=5_000)
+    assert states["current"] == PoolState(("c0", "c1"), 29)
+    assert states["stale"] == PoolState(("s0",), 25)
+
+
+def test_pool_without_live_engines_is_unhealthy():
+    registry = fold_heartbeat({}, heartbeat("s0", "stale", 25, sent=0))
+    stale = pool_states(registry, now_ms=60_000, liveness_ms=30_000)["stale"]
+    assert not stale.healthy and stale.loaded_version is None
+    assert plan(stale_pool=stale).reason == REASON_NO_STALE_ENGINE
+
+
+@pytest.mark.parametrize("member", range(3))
+def test_plans_differ_between_members_of_one_group(member):
+    assert plan(member=member).turn_pools != plan(member=member + 10).turn_pools
