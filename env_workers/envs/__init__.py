@@ -1,0 +1,1 @@
+"""Task families behind one function-call API (base.py); the registry (registry.py) finds them by name."""

@@ -1,0 +1,52 @@
+"""Learner settings: one validated model; the step itself is in learner/step.py."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class LearnerSettings(BaseModel):
+    """Hyperparameters of the learner (AgentRL's 14B five-task config unless noted)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    lr: float = Field(1e-6, gt=0)
+    """AdamW learning rate, AgentRL's 1e-6."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay, 0 as in AgentRL's actor config."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas, verl's (and torch's) default that AgentRL keeps."""
+    clip_ratio_low: float = Field(0.2, ge=0, lt=1)
+    """PPO lower clip range (ratio >= 1 - clip_ratio_low), AgentRL's 0.2."""
+    clip_ratio_high: float = Field(0.2, ge=0)
+    """PPO upper clip range (ratio <= 1 + clip_ratio_high), AgentRL's 0.2."""
+    clip_ratio_c: float = Field(3.0, gt=1)
+    """Dual-clip bound c for negative advantages, AgentRL's (verl's) 3.0."""
+    kl_coef: float = Field(1e-4, ge=0)
+    """Coefficient of the k3 KL loss to the reference model, AgentRL's 1e-4."""
+    kl_clamp: float = Field(10.0, gt=0)
+    """The k3 KL per token is clamped to +-kl_clamp, verl's low_var_kl bound of 10."""
+    temperature: float = Field(0.8, gt=0)
+    """Logits are divided by the sampling temperature before log-softmax, AgentRL's 0.8."""
+    entropy_coef: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient, AgentRL's 0."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global gradient norm, AgentRL's (verl's) 1.0."""
+    max_tokens_per_micro_batch: int = Field(16384, gt=0)
+    """Padded tokens per micro-batch (rows x longest row), verl's ppo_max_token_len_per_gpu 16384."""
+    bucket_size_mb: int = Field(512, gt=0)
+    """Broadcast bucket size in MiB, slime's update-weight-buffer-size of 512 MiB (not in the paper)."""
+    max_shard_mb: int = Field(2048, gt=0)
+    """Max safetensors shard size in MiB when staging a version (not in the paper)."""
+    checkpoint_interval: int = Field(10, gt=0)
+    """Steps between checkpoints (not in the paper; verl's save_freq is per experiment)."""
+
+    @property
+    def bucket_size_bytes(self) -> int:
+        """Broadcast bucket size in bytes."""
+        return self.bucket_size_mb * 1024 * 1024
+
+    @property
+    def max_shard_bytes(self) -> int:
+        """Staged shard size in bytes."""
+        return self.max_shard_mb * 1024 * 1024

@@ -1,0 +1,146 @@
+"""One learner step on a tiny Qwen2 model: sign, masking and micro-batch invariance."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from learner.loss import next_token_logits, token_logprobs
+from learner.settings import LearnerSettings
+from learner.step import make_optimizer, train_step
+
+TEMPERATURE = 0.8
+
+
+def tiny_model(seed: int = 0) -> Qwen2ForCausalLM:
+    torch.manual_seed(seed)
+    config = Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, vocab_size=300, max_position_embeddings=128,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def on_policy_batch(model, advantages, seed: int = 1):
+    """Random prompts with sampled-looking action tails; rollout log-probs from the model itself."""
+    rng = np.random.default_rng(seed)
+    items = []
+    for advantage in advantages:
+        n = int(rng.integers(10, 24))
+        prompt = int(rng.integers(3, n - 3))
+        ids = rng.integers(0, 300, size=n).astype(np.int32)
+        mask = np.zeros(n, dtype=np.uint8)
+        mask[prompt:] = 1
+        logprobs = action_logprobs(model, ids, mask)
+        items.append((ids, mask, logprobs, advantage))
+    return items
+
+
+def action_logprobs(model, ids, mask) -> np.ndarray:
+    """The model's log-prob of each action token, aligned to input ids (0 elsewhere)."""
+    with torch.no_grad():
+        input_ids = torch.from_numpy(ids[None].astype(np.int64))  # (1, T)
+        lp = token_logprobs(next_token_logits(model, input_ids, torch.ones_like(input_ids), TEMPERATURE), input_ids)
+    out = np.zeros(len(ids), dtype=np.float32)
+    out[1:] = lp[0].numpy()  # (T-1,) -> positions 1..T-1
+    return out * mask
+
+
+def mean_action_logprob(model, items) -> float:
+    total = sum(float(action_logprobs(model, ids, mask).sum()) for ids, mask, _, _ in items)
+    return total / sum(int(mask.sum()) for _, mask, _, _ in items)
+
+
+@pytest.fixture(scope="module")
+def settings() -> LearnerSettings:
+    return LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=48)
+
+
+def test_step_decreases_the_loss_on_its_own_batch_with_positive_advantages(settings):
+    model = tiny_model()
+    ref = copy.deepcopy(model)
+    optimizer = make_optimizer(model, settings)
+    items = on_policy_batch(model, [1.0, 0.5, 2.0, 1.0, 0.3, 1.5])
+    before = mean_action_logprob(model, items)
+
+    first = train_step(model, ref, optimizer, items, settings)
+    second = train_step(model, ref, optimizer, items, settings)  # reports the loss at the new weights
+
+    assert first["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-5)  # on-policy: ratio 1
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)  # actor == reference
+    assert second["actor/loss"] < first["actor/loss"]
+    assert second["actor/kl_loss"] > 0.0
+    assert mean_action_logprob(model, items) > before
+    assert first["actor/micro_batches"] > 1
+    assert first["actor/action_tokens"] == sum(int(m.sum()) for _, m, _, _ in items)
+
+
+def test_negative_advantages_lower_the_sampled_tokens_probability(settings):
+    model = tiny_model()
+    ref = copy.deepcopy(model)
+    items = on_policy_batch(model, [-1.0, -0.5, -2.0])
+    before = mean_action_logprob(model, items)
+    train_step(model, ref, make_optimizer(model, settings), items, settings)
+    assert mean_action_logprob(model, items) < before
+
+
+def test_zero_advantages_on_policy_give_no_gradient(settings):
+    # At step 1 the actor equals the reference, so the k3 KL has zero gradient as well.
+    model = tiny_model()
+    items = on_policy_batch(model, [0.0, 0.0])
+    metrics = train_step(model, copy.deepcopy(model), make_optimizer(model, settings), items, settings)
+    assert metrics["actor/grad_norm"] == pytest.approx(0.0, abs=1e-7)
+
+
+def test_non_action_tokens_do_not_affect_the_step(settings):
+    model = tiny_model()
+    items = on_policy_batch(model, [1.0, -0.5, 2.0])
+    noisy = [(ids, mask, np.where(mask == 1, lp, -50.0).astype(np.float32), adv) for ids, mask, lp, adv in items]
+    results = []
+    for batch in (items, noisy):
+        actor = copy.deepcopy(model)
+        results.append(train_step(actor, copy.deepcopy(model), make_optimizer(actor, settings), batch, settings))
+    clean, with_noise = ({k: v for k, v in r.items() if not k.startswith("timing/")} for r in results)
+    assert with_noise == pytest.approx(clean)
+
+
+def test_micro_batch_budget_does_not_change_the_step():
+    model = tiny_model()
+    items = on_policy_batch(model, [1.0, -0.5, 2.0, 0.7, -1.2])
+    # make it off-policy so that clipping and KL terms are exercised
+    items = [(ids, mask, lp - 0.3 * mask, adv) for ids, mask, lp, adv in items]
+    results = []
+    for budget in (24, 10_000):
+        actor = copy.deepcopy(model)
+        settings = LearnerSettings(max_tokens_per_micro_batch=budget)
+        results.append(train_step(actor, copy.deepcopy(model), make_optimizer(actor, settings), items, settings))
+    small, large = results
+    assert small["actor/micro_batches"] > 1 and large["actor/micro_batches"] == 1
+    for name in ("actor/loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):
+        assert small[name] == pytest.approx(large[name], rel=1e-4, abs=1e-6), name
+
+
+def test_settings_are_frozen_and_reject_unknown_fields():
+    settings = LearnerSettings()
+    assert (settings.lr, settings.clip_ratio_c, settings.kl_coef, settings.temperature) == (1e-6, 3.0, 1e-4, 0.8)
+    with pytest.raises(ValueError):
+        LearnerSettings(learning_rate=1.0)
+    with pytest.raises(ValueError):
+        settings.lr = 1.0  # type: ignore[misc]
+
+
+def test_a_non_finite_gradient_skips_the_optimizer_step(settings):
+    model = tiny_model()
+    items = on_policy_batch(model, [1.0, 2.0])
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    metrics = train_step(model, ref, make_optimizer(model, settings), items, settings)
+    assert metrics["actor/step_skipped"] == 1.0
+    for name, p in model.named_parameters():
+        assert torch.allclose(p, before[name], rtol=0, atol=0, equal_nan=True), name

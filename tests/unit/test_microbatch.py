@@ -1,0 +1,78 @@
+"""Micro-batch packing by token budget and next-token alignment."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from learner.microbatch import collate, make_micro_batches, plan_micro_batches
+
+
+def item(n: int, actions: slice = slice(None), advantage: float = 1.0):
+    ids = np.arange(10, 10 + n, dtype=np.int32)
+    mask = np.zeros(n, dtype=np.uint8)
+    mask[actions] = 1
+    mask[0] = 0
+    logprobs = np.where(mask == 1, -0.1 * np.arange(n), 0.0).astype(np.float32)
+    return ids, mask, logprobs, advantage
+
+
+@pytest.mark.parametrize("budget", [1, 7, 16, 33, 100, 1000])
+def test_packing_respects_the_budget_and_loses_no_sequence(budget):
+    rng = np.random.default_rng(0)
+    lengths = [int(n) for n in rng.integers(2, 60, size=40)]
+    plan = plan_micro_batches(lengths, budget)
+    assert sorted(i for members in plan for i in members) == list(range(len(lengths)))
+    for members in plan:
+        padded = len(members) * max(lengths[i] for i in members)
+        assert padded <= budget or len(members) == 1
+
+
+def test_a_sequence_longer_than_the_budget_gets_its_own_micro_batch():
+    plan = plan_micro_batches([5, 50, 5, 5], 20)
+    assert [1] in plan
+    assert sorted(len(members) for members in plan) == [1, 3]
+
+
+def test_packing_is_deterministic_longest_first_ties_by_position():
+    assert plan_micro_batches([3, 5, 3, 5, 2], 10) == [[1, 3], [0, 2, 4]]
+    assert plan_micro_batches([3, 5, 3, 5, 2], 10) == plan_micro_batches([3, 5, 3, 5, 2], 10)
+
+
+def test_collate_right_pads_and_shifts_labels_masks_and_logprobs_by_one():
+    short = item(4, actions=slice(2, 4), advantage=0.5)
+    long = item(6, actions=slice(3, 5), advantage=-2.0)
+    mb = collate([short, long], [1, 0], pad_token_id=0)
+    assert mb.indices == (1, 0)
+    assert mb.input_ids.shape == (2, 6) and mb.loss_mask.shape == (2, 5)
+    np.testing.assert_array_equal(mb.input_ids[1], [10, 11, 12, 13, 0, 0])
+    np.testing.assert_array_equal(mb.attention_mask[1], [1, 1, 1, 1, 0, 0])
+    # position t refers to token t+1: tokens 2 and 3 of `short` are actions -> positions 1 and 2
+    np.testing.assert_array_equal(mb.loss_mask[1], [0, 1, 1, 0, 0])
+    np.testing.assert_allclose(mb.rollout_logprobs[1], [0, -0.2, -0.3, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(mb.advantages[1], [0, 0.5, 0.5, 0, 0])
+    np.testing.assert_array_equal(mb.loss_mask[0], [0, 0, 1, 1, 0])
+    np.testing.assert_allclose(mb.advantages[0], [0, 0, -2.0, -2.0, 0])
+    assert mb.action_tokens == 4
+
+
+def test_first_token_cannot_be_an_action():
+    ids, mask, logprobs, adv = item(4)
+    mask = mask.copy()
+    mask[0] = 1
+    with pytest.raises(ValueError, match="token 0"):
+        collate([(ids, mask, logprobs, adv)], [0])
+
+
+def test_mismatched_array_lengths_are_rejected():
+    ids, mask, logprobs, adv = item(4)
+    with pytest.raises(ValueError, match="differ in length"):
+        collate([(ids, mask[:3], logprobs, adv)], [0])
+
+
+def test_micro_batches_keep_every_action_token():
+    items = [item(n, actions=slice(n // 2, None)) for n in (9, 3, 12, 4, 4, 20)]
+    micro_batches = make_micro_batches(items, 24)
+    expected = sum(int(m[1].sum()) for m in items)
+    assert sum(mb.action_tokens for mb in micro_batches) == expected
+    assert sorted(i for mb in micro_batches for i in mb.indices) == list(range(len(items)))
