@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from pipeline import advantages_cmd, bench_bus, env_cmd, infra_cmd, smoke
+from pipeline import advantages_cmd, bench_bus, env_cmd, infra_cmd, model_cmd, smoke
 
 app = typer.Typer(
     name="rollstream",
@@ -23,6 +23,7 @@ bench_app = typer.Typer(help="Benchmarks: each prints a table, or one JSON objec
 app.add_typer(infra_cmd.app, name="infra")
 app.add_typer(bench_app, name="bench")
 app.add_typer(env_cmd.app, name="env")
+app.add_typer(model_cmd.app, name="model")
 app.command("smoke")(smoke.smoke)
 app.command("advantages")(advantages_cmd.advantages)
 bench_app.command("bus")(bench_bus.bench_bus)
@@ -40,7 +41,7 @@ def _not_built(name: str, issue: int) -> None:
 
 
 for _name, _issue in [
-    ("engine", 4), ("env-worker", 4), ("model", 4),
+    ("engine", 4), ("env-worker", 4),
     ("dispatch", 5), ("streams", 5),
     ("learner", 6), ("up", 7), ("eval", 7), ("replay", 7), ("report", 7),
 ]:

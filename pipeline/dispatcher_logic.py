@@ -17,12 +17,13 @@ current pool), and epoch = r so each round has its own group ids.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from schemas.ids import group_id
 
 
 class TaskSource(BaseModel):
@@ -98,10 +99,7 @@ class Cursor:
     ahead: frozenset[int] = frozenset()
 
 
-def group_id(run: str, task: str, split: str, sample_index: int, epoch: int) -> str:
-    """Deterministic group id: the first 32 hex digits of sha256(run, task, split, sample_index, epoch)."""
-    key = "\x1f".join((run, task, split, str(sample_index), str(epoch)))
-    return hashlib.sha256(key.encode()).hexdigest()[:32]
+
 
 
 def slot_at(sources: Sequence[TaskSource], position: int) -> Slot:

@@ -18,12 +18,12 @@ hold a few trajectories fewer than the minimum rather than wait for another whol
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from schemas.arrays import unpack_mask
+from schemas.ids import batch_id
 from streams.advantages import task_normalize_counts
 from streams.settings import StreamsSettings
 
@@ -79,12 +79,7 @@ def plan_batch(ready: Sequence[dict[str, Any]], credit_version: int | None, batc
     return BatchPlan(True, "cut", taken, left, count)
 
 
-def batch_id(run: str, group_ids: Sequence[str]) -> str:
-    """Deterministic batch id: sha256 of the run and the sorted group ids (order-insensitive)."""
-    h = hashlib.sha256(run.encode())
-    for gid in sorted(group_ids):
-        h.update(b"\x1f" + gid.encode())
-    return h.hexdigest()
+
 
 
 def action_tokens(trajectory: Mapping[str, Any]) -> int:

@@ -1,0 +1,373 @@
+"""The token-in, token-out agent loop (DESIGN.md "The method"). Pure bookkeeping: the engine, the
+environment, the engine picker, the clock and the sleep are passed in; no Kafka, no HTTP here.
+
+The token record (input_ids, loss_mask, rollout log-probs) is append-only:
+- the prompt is encoded once with the chat template (add_generation_prompt=True, tools passed);
+- each turn sends the whole record so far to an engine and appends the ids it sampled with
+  loss_mask 1 and the engine's log-probs;
+- everything else (the template's closing of the turn, environment messages, parse-error
+  messages) is appended as the difference of two chat-template encodings, loss_mask 0, log-prob 0.
+
+Why re-encoding the final history reproduces input_ids exactly. The history keeps each
+assistant turn as the *raw generated text* (its ids decoded, eos dropped, no tool_calls field);
+the parsed message with tool_calls goes only to the environment. After each turn the loop
+re-encodes the history and checks two things:
+1. the encoding starts with the record as it was before the turn, else the template breaks the
+   prefix property: TemplatePrefixError, a configuration error, raised after closing the session;
+2. it continues with exactly the sampled ids. It does not when the sampled ids are not the
+   tokenizer's own encoding of their text: invalid UTF-8 (decoded lossily), a control tag spelled
+   out byte by byte, a non-NFC string, or another segmentation of a BPE word. Such a turn is not a
+   valid message: the trajectory ends there with status agent_validation_failed (termination
+   `invalid_output`), the sampled ids stay in the record with loss_mask 1 so the punishment
+   trains against them, and the invariant then holds up to the start of that turn only.
+Otherwise the rest of the encoding (what the template writes after the content: eos if the
+engine stopped on length, then the newline) is appended with loss_mask 0. At every turn boundary
+the record equals encode(history), so each environment message's difference is taken against
+it and, by induction, the final history re-encodes to input_ids.
+
+Statuses: the environment's when it finishes the session (completed, task_limit_reached, ...);
+task_limit_reached after max_turns; agent_context_limit when the record cannot fit another turn or
+an environment answer within max_total_len; task_error when the engines stay unreachable after
+retries or the environment raises (infrastructure: not punished, masked out by the learner).
+Every other non-completed status gets reward incomplete_punishment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from env_workers.chat_template import ChatEncoder, TemplatePrefixError
+from env_workers.engine_client import EngineError, Generation
+from env_workers.settings import AgentLoopSettings
+from env_workers.tool_parser import ParsedMessage, parse_error_message, parse_tool_calls
+from schemas.arrays import pack_ids, pack_logprobs, pack_mask
+from schemas.ids import trajectory_id
+
+log = logging.getLogger(__name__)
+
+COMPLETED = "completed"
+RUNNING = "running"
+TASK_ERROR = "task_error"
+CURRENT_POOL = "current"
+
+# Why the loop stopped (the trajectory's `termination` field).
+ENV_FINISHED = "env_finished"
+MAX_TURNS = "max_turns"
+MAX_TOTAL_LEN = "max_total_len"
+ENGINE_ERROR = "engine_error"
+ENV_ERROR = "env_error"
+INVALID_OUTPUT = "invalid_output"
+
+
+class Engine(Protocol):
+    """One inference engine (env_workers.engine_client.EngineClient in production)."""
+
+    engine_id: str
+
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float) -> Generation: ...
+
+
+class Environment(Protocol):
+    """env_workers.envs.base.Environment's lifecycle."""
+
+    async def start(self, sample: Mapping[str, Any]) -> Any: ...
+    async def observation(self, session: Any, assistant_message: Mapping[str, Any]) -> Any: ...
+    async def end(self, session: Any) -> None: ...
+
+
+# planned pool -> (pool actually used, engine). May fall back to the current pool; raises
+# EngineError when no engine can take the turn.
+PickEngine = Callable[[str], tuple[str, Engine]]
+
+
+@dataclass
+class Rollout:
+    """A finished rollout: the trajectory and step events (schemas/avro/*.avsc shapes) and the final history."""
+
+    trajectory: dict[str, Any]
+    steps: list[dict[str, Any]]
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    error: str | None = None
+
+
+
+
+
+def _ms(seconds: float) -> int:
+    return int(round(seconds * 1000.0))
+
+
+@dataclass
+class _Record:
+    """The append-only token record."""
+
+    ids: list[int] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    def add_context(self, ids: Sequence[int]) -> None:
+        self.ids.extend(ids)
+        self.mask.extend([0] * len(ids))
+        self.logprobs.extend([0.0] * len(ids))
+
+    def add_generated(self, ids: Sequence[int], logprobs: Sequence[float]) -> None:
+        self.ids.extend(ids)
+        self.mask.extend([1] * len(ids))
+        self.logprobs.extend(logprobs)
+
+
+@dataclass
+class _Ending:
+    status: str
+    termination: str
+    env_reward: float = 0.0
+    error: str | None = None
+
+
+class _Loop:
+    """State of one rollout; `run` drives it."""
+
+    def __init__(
+        self,
+        task: Mapping[str, Any],
+        encoder: ChatEncoder,
+        pick_engine: PickEngine,
+        settings: AgentLoopSettings,
+        clock: Callable[[], float],
+        sleep: Callable[[float], Awaitable[None]],
+        on_step: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.task, self.request = task, task["request"]
+        self.plan: list[str] = list(task.get("turn_pools") or [])
+        self.encoder, self.pick_engine, self.settings = encoder, pick_engine, settings
+        self.clock, self.sleep, self.on_step = clock, sleep, on_step
+        self.id = trajectory_id(self.request["run"], self.request["group_id"], self.request["member"])
+        self.record = _Record()
+        self.history: list[dict[str, Any]] = []
+        self.tools: list[dict[str, Any]] = []
+        self.prompt_tokens = 0
+        self.turns: list[dict[str, Any]] = []
+        self.steps: list[dict[str, Any]] = []
+        self.env_metrics: dict[str, float] = {}
+        self.loop_metrics = {"parse_errors": 0.0, "engine_retries": 0.0, "pool_fallbacks": 0.0}
+
+    # --- one turn's engine call -----------------------------------------------------------------
+
+    async def generate(self, planned: str, max_new: int) -> tuple[str, Generation] | str:
+        """(pool used, generation), or the last error once retries are spent. The record is only read."""
+        error = "no attempt"
+        prompt = tuple(self.record.ids)  # the same prompt tokens on every retry, whatever an engine does
+        for attempt in range(self.settings.engine_retries + 1):
+            try:
+                pool, engine = self.pick_engine(planned)
+                generation = await engine.generate(prompt, max_new, self.settings.temperature)
+                count = len(generation.token_ids)
+                if not 0 < count <= max_new or count != len(generation.logprobs):
+                    # Checked here too: a bad answer must never reach the append-only record.
+                    raise EngineError(f"{generation.engine_id}: malformed generation", engine_id=generation.engine_id)
+                return pool, generation
+            except EngineError as failure:
+                error = str(failure)
+                if not failure.retryable or attempt == self.settings.engine_retries:
+                    break
+                self.loop_metrics["engine_retries"] += 1
+                log.warning("trajectory %s: engine error (attempt %d), retrying: %s", self.id, attempt + 1, failure)
+                await self.sleep(self.settings.engine_retry_backoff_s * 2**attempt)
+        return error
+
+    # --- closing an assistant turn --------------------------------------------------------------
+
+    def close_turn(self, before: int, generated: Sequence[int]) -> bool:
+        """Appends the template's closing of the turn just generated; False when the sampled ids are not canonical."""
+        rendered = self.encoder.encode(self.history, self.tools, add_generation_prompt=False)
+        if rendered[:before] != self.record.ids[:before]:
+            raise TemplatePrefixError(
+                f"trajectory {self.id}: re-encoding the history with the new assistant turn changed the "
+                f"tokens before it; the chat template breaks the prefix property"
+            )
+        if rendered[before:before + len(generated)] != list(generated):
+            return False
+        self.record.add_context(rendered[before + len(generated):])
+        return True
+
+    # --- events ---------------------------------------------------------------------------------
+
+    def add_step(
+        self,
+        turn: int,
+        planned: str,
+        pool: str,
+        generation: Generation,
+        started: float,
+        generate_ms: float,
+        env_ms: float,
+        parsed: ParsedMessage | None,
+        env_status: str,
+        reward: float,
+        finish: bool,
+        env_tokens: int,
+        prompt_tokens: int,
+        start: int,
+    ) -> None:
+        self.turns.append({
+            "turn": turn, "pool": pool, "engine_id": generation.engine_id,
+            "weight_version": generation.weight_version, "start": start,
+            "length": len(generation.token_ids), "generate_ms": generate_ms, "env_ms": env_ms,
+        })
+        calls = parsed.tool_calls if parsed else []
+        step = {
+            "run": self.request["run"], "trajectory_id": self.id, "group_id": self.request["group_id"],
+            "member": self.request["member"], "task": self.request["task"], "turn": turn,
+            "planned_pool": planned, "pool": pool, "engine_id": generation.engine_id,
+            "weight_version": generation.weight_version, "prompt_tokens": prompt_tokens,
+            "output_ids": pack_ids(generation.token_ids), "output_logprobs": pack_logprobs(generation.logprobs),
+            "finish_reason": generation.finish_reason,
+            "tool_calls": [{"name": c["function"]["name"], "arguments_json": c["function"]["arguments"]} for c in calls],
+            "parse_error": parsed.error if parsed else None,
+            "env_status": env_status, "reward": reward, "finish": finish, "env_tokens": env_tokens,
+            "started_at_ms": _ms(started), "generate_ms": generate_ms, "env_ms": env_ms,
+        }
+        self.steps.append(step)
+        if self.on_step is not None:
+            self.on_step(step)
+
+    # --- the loop -------------------------------------------------------------------------------
+
+    async def turns_until_end(self, env: Environment, session: Any) -> _Ending:
+        settings = self.settings
+        reserve = len(self.encoder.assistant_close)
+        for turn in range(settings.max_turns):
+            room = settings.max_total_len - len(self.record.ids) - reserve
+            if room <= 0:
+                return _Ending("agent_context_limit", MAX_TOTAL_LEN)
+            planned = self.plan[turn] if turn < len(self.plan) else CURRENT_POOL
+            started = self.clock()
+            result = await self.generate(planned, min(settings.max_new_tokens, room))
+            generate_ms = (self.clock() - started) * 1000.0
+            if isinstance(result, str):
+                return _Ending(TASK_ERROR, ENGINE_ERROR, error=result)
+            pool, generation = result
+            if pool != planned:
+                self.loop_metrics["pool_fallbacks"] += 1
+            prompt_tokens = before = len(self.record.ids)
+            self.record.add_generated(generation.token_ids, generation.logprobs)
+            ids = generation.token_ids
+            content_ids = ids[:-1] if ids[-1] == self.encoder.eos_token_id else ids
+            text = self.encoder.decode(content_ids)
+            self.history.append({"role": "assistant", "content": text})
+            step = dict(turn=turn, planned=planned, pool=pool, generation=generation, started=started,
+                        generate_ms=generate_ms, prompt_tokens=prompt_tokens, start=before)
+
+            if not self.close_turn(before, ids):
+                self.add_step(**step, env_ms=0.0, parsed=None, env_status="agent_validation_failed",
+                              reward=0.0, finish=True, env_tokens=0)
+                return _Ending("agent_validation_failed", INVALID_OUTPUT)
+
+            parsed = parse_tool_calls(text, call_id_prefix=f"call_{turn}")
+            env_started = self.clock()
+            if parsed.error is not None:
+                self.loop_metrics["parse_errors"] += 1
+                new_messages, status, reward, finish = [parse_error_message(parsed.error)], RUNNING, 0.0, False
+            else:
+                try:
+                    observation = await env.observation(session, parsed.as_openai())
+                except Exception as error:  # the environment broke, not the policy
+                    log.exception("trajectory %s: environment failed", self.id)
+                    self.add_step(**step, env_ms=(self.clock() - env_started) * 1000.0, parsed=parsed,
+                                  env_status=TASK_ERROR, reward=0.0, finish=True, env_tokens=0)
+                    return _Ending(TASK_ERROR, ENV_ERROR, error=repr(error))
+                self.env_metrics = {k: float(v) for k, v in observation.metrics.items()}
+                new_messages, status = list(observation.messages), str(observation.status)
+                reward, finish = float(observation.reward), bool(observation.finish)
+            env_ms = (self.clock() - env_started) * 1000.0
+
+            if finish:
+                self.add_step(**step, env_ms=env_ms, parsed=parsed, env_status=status, reward=reward,
+                              finish=True, env_tokens=0)
+                return _Ending(status, ENV_ERROR if status == TASK_ERROR else ENV_FINISHED, env_reward=reward)
+            if turn == settings.max_turns - 1:
+                # No turn follows: the policy would never read the answer, so it is not recorded.
+                self.add_step(**step, env_ms=env_ms, parsed=parsed, env_status=status, reward=reward,
+                              finish=False, env_tokens=0)
+                return _Ending("task_limit_reached", MAX_TURNS)
+            delta = self.encoder.extension(self.record.ids, [*self.history, *new_messages], self.tools, True)
+            if len(self.record.ids) + len(delta) > settings.max_total_len:
+                self.add_step(**step, env_ms=env_ms, parsed=parsed, env_status=status, reward=reward,
+                              finish=False, env_tokens=0)
+                return _Ending("agent_context_limit", MAX_TOTAL_LEN)
+            self.record.add_context(delta)
+            self.history.extend(new_messages)
+            self.add_step(**step, env_ms=env_ms, parsed=parsed, env_status=status, reward=reward,
+                          finish=False, env_tokens=len(delta))
+        return _Ending("task_limit_reached", MAX_TURNS)
+
+    def trajectory(self, ending: _Ending, worker_id: str, started: float, finished: float) -> dict[str, Any]:
+        request = self.request
+        if ending.status in (COMPLETED, TASK_ERROR):
+            reward = ending.env_reward  # task_error: infrastructure, masked out of training, not punished
+        else:
+            reward = self.settings.incomplete_punishment
+        metrics = {**self.env_metrics, **self.loop_metrics}
+        score = metrics.get("score")
+        return {
+            "trajectory_id": self.id, "run": request["run"], "group_id": request["group_id"],
+            "member": request["member"], "group_size": request["group_size"], "task": request["task"],
+            "split": request["split"], "sample_index": request["sample_index"],
+            "validation": bool(request.get("validation", False)),
+            "input_ids": pack_ids(self.record.ids), "loss_mask": pack_mask(self.record.mask),
+            "rollout_logprobs": pack_logprobs(self.record.logprobs), "arrays_uri": None,
+            "num_tokens": len(self.record.ids), "prompt_tokens": self.prompt_tokens, "turns": self.turns,
+            "status": ending.status, "reward": float(reward), "env_reward": float(ending.env_reward),
+            "termination": ending.termination, "template_fingerprint": self.encoder.fingerprint,
+            "worker_id": worker_id, "started_at_ms": _ms(started), "finished_at_ms": _ms(finished),
+            "score": score, "metrics": metrics,
+        }
+
+
+async def run_agent_loop(
+    task: Mapping[str, Any],
+    sample: Mapping[str, Any],
+    env: Environment,
+    encoder: ChatEncoder,
+    pick_engine: PickEngine,
+    settings: AgentLoopSettings,
+    *,
+    worker_id: str,
+    clock: Callable[[], float],
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+) -> Rollout:
+    """Rolls out one task member (a `tasks` event: request + turn_pools) in `env` to the end.
+
+    `clock` is wall time in seconds (time.time in production). `on_step` sees each step event as
+    its turn finishes. Never raises for policy, engine or environment failures; raises
+    TemplatePrefixError for a chat template the loop cannot use, after closing the session.
+    """
+    loop = _Loop(task, encoder, pick_engine, settings, clock, sleep, on_step)
+    started = clock()
+    session = None
+    try:
+        try:
+            session = await env.start(sample)
+        except Exception as error:
+            log.exception("trajectory %s: environment failed to start", loop.id)
+            ending = _Ending(TASK_ERROR, ENV_ERROR, error=repr(error))
+        else:
+            loop.history, loop.tools = list(session.messages), list(session.tools)
+            prompt = encoder.encode(loop.history, loop.tools, add_generation_prompt=True)
+            loop.record.add_context(prompt)
+            loop.prompt_tokens = len(prompt)
+            ending = await loop.turns_until_end(env, session)
+    finally:
+        if session is not None:
+            try:
+                await env.end(session)
+            except Exception:  # end() is documented safe; a failure to release must not lose the trajectory
+                log.exception("trajectory %s: environment end() failed", loop.id)
+    trajectory = loop.trajectory(ending, worker_id, started, clock())
+    return Rollout(trajectory, loop.steps, loop.history, loop.tools, ending.error)
