@@ -1,0 +1,353 @@
+"""The learner loop: consume `batches`, train, publish each new version, checkpoint, resume.
+
+Per batch, in this order (DESIGN.md, "Delivery guarantees"):
+
+    wait     poll `batches`; skip other runs' batches and batches already applied (by id)
+    train    one optimizer step on the whole batch (learner/step.py, or the DDP step)
+    publish  fast path (the pluggable broadcaster, none by default), then stage the version in
+             MinIO (shards, then manifest)
+    ckpt     every `checkpoint_interval` steps: model, optimizer, RNG, step, version, offsets
+    announce the `weights` event and the step's metrics, flushed: acknowledged by the broker
+    commit   the `batches` offsets, only now that the version is durable and announced
+
+Why the checkpoint comes before the announcement: a learner killed between the two resumes from
+a checkpoint that already holds the step; it finds the version staged but not announced and
+announces it (`plan_resume`). So with checkpoint_interval=1 a SIGKILL at any point loses no step.
+With a larger interval, the steps announced after the last checkpoint are lost from the model
+state (their batches stay applied: they are not trained twice), and the resume log says so.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_STORED
+from minio import Minio
+from pydantic import BaseModel, ConfigDict, Field
+
+from learner import checkpoint, publish
+from learner.microbatch import BatchItem
+from learner.settings import LearnerSettings
+from schemas import arrays, objectstore, topics
+from schemas.bus import ConsumedEvent, EventConsumer, EventProducer
+from schemas.settings import KafkaSettings
+
+log = logging.getLogger("rollstream.learner")
+
+# (tensors, version) -> pools that received the version by collective broadcast.
+Broadcaster = Callable[[Mapping[str, torch.Tensor], int], Sequence[str]]
+# One optimizer step on a whole batch -> metrics (learner/step.py's train_step, bound to its models).
+StepFn = Callable[[Sequence[BatchItem]], dict[str, float]]
+
+
+class ProcessSettings(BaseModel):
+    """How the learner process runs around the step (publishing, retention, stopping)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
+
+    stale_step: int = Field(25, gt=0)
+    """The stale pool is refreshed every stale_step versions, AgentRL's 25 (retention keeps those)."""
+    keep_versions: int = Field(3, gt=0)
+    """Newest staged versions kept in MinIO for engines that missed a broadcast (not in the paper)."""
+    keep_stale_versions: int = Field(2, ge=0)
+    """Newest multiples of stale_step kept for the stale pool (not in the paper)."""
+    keep_checkpoints: int = Field(2, gt=0)
+    """Newest checkpoints kept (not in the paper; verl keeps all unless told otherwise)."""
+    poll_timeout_s: float = Field(1.0, gt=0)
+    """How long one poll of `batches` waits before the loop checks for a stop (not in the paper)."""
+    max_steps: int | None = Field(None, gt=0)
+    """Stop once the run has taken this many steps (None: run until stopped; not in the paper)."""
+    idle_exit_s: float | None = Field(None, gt=0)
+    """Stop after this long without a batch (None: never; for smoke runs, not in the paper)."""
+
+
+class ResumeError(RuntimeError):
+    """The run's published versions and its checkpoint disagree, or a fresh start would clash."""
+
+
+@dataclass(frozen=True)
+class Published:
+    """What a `weights` event of the run says about one version."""
+
+    version: int
+    step: int
+    batch_id: str | None
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """How a (re)starting learner continues, decided from plain facts (`plan_resume`)."""
+
+    state: checkpoint.TrainingState
+    publish_initial: bool  # version 0 must be staged and announced
+    announce_checkpoint_version: bool  # the checkpoint's version is staged but was never announced
+    lost_versions: tuple[int, ...]  # announced after the checkpoint: their steps are not in the weights
+
+
+def plan_resume(
+    published: Sequence[Published], ckpt_state: checkpoint.TrainingState | None, *, resume: bool
+) -> ResumePlan:
+    """Reconciles the checkpoint with the `weights` history of the run (pure)."""
+    last = max(published, key=lambda p: p.version) if published else None
+    if not resume:
+        if last is not None:
+            raise ResumeError(f"run already has versions up to {last.version}; pass --resume or use a new run id")
+        return ResumePlan(checkpoint.TrainingState(), True, False, ())
+    state = ckpt_state if ckpt_state is not None else checkpoint.TrainingState()
+    announced_ids = [p.batch_id for p in sorted(published, key=lambda p: p.version) if p.batch_id is not None]
+    applied = list(state.applied_batch_ids) + [b for b in announced_ids if b not in set(state.applied_batch_ids)]
+    if last is None:
+        # Version 0 is announced before the first step, so a checkpoint without it cannot exist.
+        if ckpt_state is not None:
+            raise ResumeError(f"checkpoint holds version {ckpt_state.version} but the run announced none")
+        return ResumePlan(state, True, False, ())
+    if ckpt_state is not None and ckpt_state.version > last.version:
+        if ckpt_state.version != last.version + 1:
+            raise ResumeError(f"checkpoint holds version {ckpt_state.version}, the run announced up to {last.version}")
+        return ResumePlan(checkpoint.TrainingState(state.step, state.version, dict(state.offsets), applied),
+                          False, True, ())
+    lost = tuple(range(state.version + 1, last.version + 1))
+    # Version numbers and step numbers keep counting from the last announced one, lost steps included.
+    resumed = checkpoint.TrainingState(step=max(state.step, last.step), version=last.version,
+                                       offsets=dict(state.offsets), applied_batch_ids=applied)
+    return ResumePlan(resumed, False, False, lost)
+
+
+def batch_items(batch: Mapping[str, Any], fetch: Callable[[str], bytes]) -> list[BatchItem]:
+    """The training content of a `batches` event; validation trajectories are never trained on.
+
+    Arrays offloaded to the object store (arrays_uri: an .npz) are fetched with `fetch(uri)`.
+    """
+    items: list[BatchItem] = []
+    for item in batch["items"]:
+        t = item["trajectory"]
+        if t["validation"]:
+            continue
+        if t["arrays_uri"] is not None:
+            with np.load(io.BytesIO(fetch(t["arrays_uri"]))) as npz:
+                ids, mask, logprobs = npz["input_ids"], npz["loss_mask"], npz["rollout_logprobs"]
+        else:
+            ids = arrays.unpack_ids(t["input_ids"])
+            mask = arrays.unpack_mask(t["loss_mask"])
+            logprobs = arrays.unpack_logprobs(t["rollout_logprobs"])
+        items.append((ids, mask, logprobs, float(item["advantage"])))
+    return items
+
+
+def behaviour_lag(batch: Mapping[str, Any], version: int) -> int | None:
+    """Learner version trained from minus the oldest weight version among the batch's turns."""
+    versions = [turn["weight_version"] for item in batch["items"] for turn in item["trajectory"]["turns"]]
+    return version - min(versions) if versions else None
+
+
+def metric_events(run: str, step: int, values: Mapping[str, float], at_ms: int) -> list[dict[str, Any]]:
+    """One `metrics` event per finite value."""
+    return [{"run": run, "name": name, "value": float(v), "step": step, "labels": {}, "source": "learner",
+             "at_ms": at_ms} for name, v in values.items() if math.isfinite(v)]
+
+
+def progress_line(step: int, version: int, m: Mapping[str, float]) -> str:
+    """The one-line summary of a step shown on stderr."""
+    lag = m.get("rollout/behaviour_lag")
+    return (f"step {step} v{version} pg_loss {m['actor/pg_loss']:+.4f} clipfrac {m['actor/pg_clipfrac']:.3f} "
+            f"ppo_kl {m['actor/ppo_kl']:+.2e} kl {m['actor/kl_loss']:.2e} ent {m['actor/entropy']:.3f} "
+            f"gnorm {m['actor/grad_norm']:.3f} {m['perf/tokens_per_s']:.0f} tok/s "
+            f"wait {m['timing/wait_s']:.2f}s ref {m['timing/ref_s']:.2f}s actor {m['timing/actor_s']:.2f}s "
+            f"publish {m['timing/publish_s']:.2f}s lag {'-' if lag is None else int(lag)}")
+
+
+def read_published(kafka: KafkaSettings, run: str, producer: EventProducer, idle_s: float = 3.0) -> list[Published]:
+    """Every version the run announced on `weights`, read from the start of the topic to its end."""
+    consumer = EventConsumer(kafka, group_id=f"learner-history-{run}-{time.time_ns()}", topic_names=[],
+                             client_id="learner-history", dlq=producer)
+    try:
+        ends = consumer.end_offsets(topics.WEIGHTS)
+        consumer.assign({topics.WEIGHTS: {p: OFFSET_BEGINNING for p in ends}})
+        remaining = {p for p, end in ends.items() if end > 0}
+        found: list[Published] = []
+        idle_since = time.monotonic()
+        while remaining and time.monotonic() - idle_since < idle_s:
+            event = consumer.poll(0.5)
+            if event is None:
+                continue
+            idle_since = time.monotonic()
+            if event.offset >= ends[event.partition] - 1:
+                remaining.discard(event.partition)
+            if event.value["run"] == run:
+                v = event.value
+                found.append(Published(v["version"], v["step"], v["batch_id"]))
+        return found
+    finally:
+        consumer.close()
+
+
+@dataclass
+class LearnerLoop:
+    """The learner process around one step function; see the module docstring for the order."""
+
+    run: str
+    settings: LearnerSettings
+    process: ProcessSettings
+    model: torch.nn.Module  # the unwrapped policy: its state dict is what is published
+    optimizer: torch.optim.Optimizer
+    step_fn: StepFn
+    model_config: dict[str, Any]
+    kafka: KafkaSettings
+    mc: Minio
+    producer: EventProducer
+    broadcaster: Broadcaster | None = None
+    should_stop: Callable[[], bool] = lambda: False
+    progress: Callable[[str], None] = lambda line: None
+    clock: Callable[[], float] = time.perf_counter
+    wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)
+
+    def start(self, *, resume: bool) -> checkpoint.TrainingState:
+        """Loads the checkpoint (with --resume), reconciles it with the run's `weights` history,
+        and publishes version 0 or re-announces an unannounced checkpoint version."""
+        published = read_published(self.kafka, self.run, self.producer)
+        ckpt = checkpoint.load_latest(self.mc, self.run) if resume else None
+        plan = plan_resume(published, ckpt.state if ckpt else None, resume=resume)
+        if ckpt is not None:
+            self.model.load_state_dict(ckpt.model)
+            self.optimizer.load_state_dict(ckpt.optimizer)
+            checkpoint.restore_rng(ckpt.rng)
+            log.info("resumed from checkpoint %s (step %d, version %d)", ckpt.uri, ckpt.state.step, ckpt.state.version)
+        elif resume and published:
+            log.warning("run %s has no checkpoint: resuming from the initial weights", self.run)
+        if plan.lost_versions:
+            log.warning("versions %d..%d were announced after the checkpoint: their %d steps are lost from the "
+                        "weights and their batches are not trained again", plan.lost_versions[0],
+                        plan.lost_versions[-1], len(plan.lost_versions))
+        state = plan.state
+        if plan.publish_initial:
+            self._publish(state, batch_id=None, checkpoint_now=False)
+            log.info("published the initial weights as version 0 of run %s", self.run)
+        if plan.announce_checkpoint_version:
+            staged = publish.load_staged(self.mc, self.run, state.version)
+            self._announce(staged, state.applied_batch_ids[-1] if state.applied_batch_ids else None, [], [])
+            log.warning("version %d was checkpointed but not announced before the crash: announced it now",
+                        state.version)
+        log.info("run %s continues at version %d (step %d); %d batches already applied",
+                 self.run, state.version + 1, state.step, len(state.applied_batch_ids))
+        return state
+
+    def loop(self, state: checkpoint.TrainingState) -> checkpoint.TrainingState:
+        """Consumes `batches` until stopped; returns the final state (checkpointed)."""
+        consumer = EventConsumer(self.kafka, group_id=f"learner-{self.run}", topic_names=[], client_id="learner",
+                                 dlq=self.producer)
+        parts = consumer.end_offsets(topics.BATCHES)
+        # From the checkpoint's offsets where known, else the group's committed offset (or the start).
+        consumer.assign({topics.BATCHES: {p: state.offsets.get(p, OFFSET_STORED) for p in parts}})
+        applied = set(state.applied_batch_ids)
+        uncommitted: list[ConsumedEvent] = []
+        checkpointed_step = state.step
+        last_batch_at = self.clock()
+        try:
+            wait_started = self.clock()
+            while not self._done(state):
+                event = consumer.poll(self.process.poll_timeout_s)
+                if event is None:
+                    if self.process.idle_exit_s is not None and self.clock() - last_batch_at > self.process.idle_exit_s:
+                        log.info("no batch for %.0f s: stopping", self.process.idle_exit_s)
+                        break
+                    continue
+                last_batch_at = self.clock()
+                uncommitted.append(event)
+                state.offsets[event.partition] = event.offset + 1
+                batch = event.value
+                if batch["run"] != self.run:
+                    continue
+                if batch["batch_id"] in applied:
+                    log.info("skipping batch %s (index %d): already applied", batch["batch_id"], batch["index"])
+                    continue
+                items = batch_items(batch, self._fetch)
+                if not any(int(mask.sum()) for _, mask, _, _ in items):
+                    log.warning("skipping batch %s (index %d): no action tokens to train on",
+                                batch["batch_id"], batch["index"])
+                    continue
+                lag = behaviour_lag(batch, state.version)
+                metrics = self.step_fn(items)
+                state.step += 1
+                state.applied_batch_ids.append(batch["batch_id"])
+                applied.add(batch["batch_id"])
+                metrics["timing/wait_s"] = last_batch_at - wait_started
+                if lag is not None:
+                    metrics["rollout/behaviour_lag"] = float(lag)
+                due = state.step % self.settings.checkpoint_interval == 0
+                self._publish(state, batch_id=batch["batch_id"], checkpoint_now=due, metrics=metrics)
+                if due:
+                    checkpointed_step = state.step
+                consumer.commit(uncommitted)  # only now: the version is durable and announced
+                uncommitted = []
+                self.progress(progress_line(state.step, state.version, metrics))
+                wait_started = self.clock()
+            if uncommitted:  # skipped batches only: nothing to make durable first
+                consumer.commit(uncommitted)
+            if checkpointed_step != state.step or self.should_stop():
+                self._checkpoint(state)
+        finally:
+            consumer.close()
+        return state
+
+    def _done(self, state: checkpoint.TrainingState) -> bool:
+        if self.should_stop():
+            log.info("stop requested: checkpointing step %d and exiting", state.step)
+            return True
+        return self.process.max_steps is not None and state.step >= self.process.max_steps
+
+    def _fetch(self, uri: str) -> bytes:
+        return objectstore.get_bytes(self.mc, *objectstore.parse_uri(uri))
+
+    def _publish(self, state: checkpoint.TrainingState, *, batch_id: str | None, checkpoint_now: bool,
+                 metrics: dict[str, float] | None = None) -> None:
+        """Produces version state.version + 1 (or 0 at the start): broadcast, stage, checkpoint, announce."""
+        started = self.clock()
+        if batch_id is not None:
+            state.version += 1
+        tensors = self.model.state_dict()
+        pools = list(self.broadcaster(tensors, state.version)) if self.broadcaster is not None else []
+        staged = publish.stage_version(self.mc, self.run, tensors, version=state.version, step=state.step,
+                                       config=self.model_config, max_shard_bytes=self.settings.max_shard_bytes)
+        if checkpoint_now:
+            self._checkpoint(state)
+        metric_values: dict[str, float] = {}
+        if metrics is not None:
+            metrics["timing/publish_s"] = self.clock() - started
+            busy = metrics["timing/ref_s"] + metrics["timing/actor_s"]
+            metrics["perf/tokens_per_s"] = metrics["actor/tokens"] / busy if busy > 0 else 0.0
+            metric_values = metrics
+        self._announce(staged, batch_id, pools, metric_events(self.run, state.step, metric_values, self.wall_ms()))
+        self._prune(state)
+
+    def _announce(self, staged: publish.StagedVersion, batch_id: str | None, pools: Sequence[str],
+                  metrics: Sequence[dict[str, Any]]) -> None:
+        event = publish.weight_version_event(staged, batch_id=batch_id, broadcast_pools=pools,
+                                             published_at_ms=self.wall_ms())
+        self.producer.send(topics.WEIGHTS, event, key=self.run)
+        for m in metrics:
+            self.producer.send(topics.METRICS, m, key=m["name"])
+        self.producer.flush()  # acknowledged by the broker before any offset is committed
+
+    def _checkpoint(self, state: checkpoint.TrainingState) -> None:
+        uri = checkpoint.save_checkpoint(self.mc, self.run, state, self.model, self.optimizer)
+        checkpoint.prune_checkpoints(self.mc, self.run, self.process.keep_checkpoints)
+        log.info("checkpoint of step %d (version %d) at %s", state.step, state.version, uri)
+
+    def _prune(self, state: checkpoint.TrainingState) -> None:
+        staged = publish.staged_versions(self.mc, self.run)
+        keep = publish.retained_versions(
+            staged, keep_last=self.process.keep_versions, stale_step=self.process.stale_step,
+            keep_stale=self.process.keep_stale_versions,
+            checkpoint_versions=[v for _, v in checkpoint.list_checkpoints(self.mc, self.run)],
+        )
+        deleted = publish.prune_versions(self.mc, self.run, keep)
+        if deleted:
+            log.debug("pruned versions %s of run %s", deleted, self.run)

@@ -1,0 +1,149 @@
+"""Staging a policy version in the object store, its `weights` event, and retention pruning.
+
+Layout (DESIGN.md, "Two-speed weight sync"): a version lives under
+`s3://rollstream-weights/<run>/v<version:06d>/` as safetensors shards plus `manifest.json`. The
+shards go up first and the manifest last, so a version whose manifest exists is complete; the
+`weights` event is sent only after the manifest is stored, so an engine that reads the event can
+always load the version.
+
+Retention (`retained_versions`) is a pure rule: keep the newest `keep_last` versions (engines of
+the current pool that missed a broadcast load one of these), the newest `keep_stale` versions the
+stale pool can be serving (multiples of `stale_step`, the versions it is refreshed to), and every
+version a checkpoint still names.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from minio import Minio
+
+from learner.manifest import encode_version
+from schemas import objectstore, topics
+from schemas.weight_layout import MANIFEST_FILE, WeightManifest
+
+_VERSION_DIR = re.compile(r"^v(\d{6,})/$")
+
+
+def version_prefix(run: str, version: int) -> str:
+    """Object-key prefix of one version: <run>/v<version:06d>/."""
+    return f"{run}/v{version:06d}/"
+
+
+def manifest_uri(run: str, version: int) -> str:
+    """s3:// URI of a version's manifest."""
+    return objectstore.uri(topics.WEIGHTS_BUCKET, version_prefix(run, version) + MANIFEST_FILE)
+
+
+@dataclass(frozen=True)
+class StagedVersion:
+    """A version that is durable in the object store: its manifest and where it lies."""
+
+    run: str
+    manifest: WeightManifest
+    manifest_uri: str
+
+    def shard_records(self) -> list[dict[str, Any]]:
+        """The weight_version event's `shards` array."""
+        prefix = version_prefix(self.run, self.manifest.version)
+        return [
+            {"uri": objectstore.uri(topics.WEIGHTS_BUCKET, prefix + s.file), "sha256": s.sha256, "size_bytes": s.size_bytes}
+            for s in self.manifest.shards
+        ]
+
+
+def stage_version(
+    mc: Minio,
+    run: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    version: int,
+    step: int,
+    config: Mapping[str, Any],
+    max_shard_bytes: int,
+) -> StagedVersion:
+    """Uploads the shards, then the manifest; returns once every object is stored.
+
+    Re-staging a version (after a crash between staging and the event) overwrites it with the
+    same names, so it stays consistent.
+    """
+    manifest, shards = encode_version(
+        tensors, version=version, step=step, config=config, max_shard_bytes=max_shard_bytes
+    )
+    prefix = version_prefix(run, version)
+    for file, data in shards.items():
+        objectstore.put_bytes(mc, topics.WEIGHTS_BUCKET, prefix + file, data)
+    objectstore.put_bytes(mc, topics.WEIGHTS_BUCKET, prefix + MANIFEST_FILE, manifest.to_json(), "application/json")
+    return StagedVersion(run=run, manifest=manifest, manifest_uri=manifest_uri(run, version))
+
+
+def load_staged(mc: Minio, run: str, version: int) -> StagedVersion:
+    """Reads back the manifest of a version staged earlier (to re-announce it after a crash)."""
+    data = objectstore.get_bytes(mc, topics.WEIGHTS_BUCKET, version_prefix(run, version) + MANIFEST_FILE)
+    return StagedVersion(run=run, manifest=WeightManifest.from_json(data), manifest_uri=manifest_uri(run, version))
+
+
+def weight_version_event(
+    staged: StagedVersion, *, batch_id: str | None, broadcast_pools: Sequence[str], published_at_ms: int
+) -> dict[str, Any]:
+    """The `weights` event announcing a staged version (key: the run)."""
+    return {
+        "run": staged.run,
+        "version": staged.manifest.version,
+        "step": staged.manifest.step,
+        "batch_id": batch_id,
+        "manifest_uri": staged.manifest_uri,
+        "shards": staged.shard_records(),
+        "broadcast_pools": list(broadcast_pools),
+        "published_at_ms": published_at_ms,
+    }
+
+
+def retained_versions(
+    published: Iterable[int],
+    *,
+    keep_last: int,
+    stale_step: int,
+    keep_stale: int,
+    checkpoint_versions: Iterable[int],
+) -> set[int]:
+    """The published versions retention keeps (pure; see the module docstring).
+
+    keep_last >= 1 always keeps the newest version, which engines must be able to load.
+    """
+    if keep_last < 1 or stale_step < 1 or keep_stale < 0:
+        raise ValueError("keep_last and stale_step must be >= 1, keep_stale >= 0")
+    ordered = sorted(set(published), reverse=True)
+    newest = set(ordered[:keep_last])
+    stale = set([v for v in ordered if v % stale_step == 0][:keep_stale])
+    pinned = set(checkpoint_versions) & set(ordered)
+    return newest | stale | pinned
+
+
+def staged_versions(mc: Minio, run: str) -> list[int]:
+    """Versions of `run` that have objects in the weights bucket, ascending."""
+    found = []
+    for obj in mc.list_objects(topics.WEIGHTS_BUCKET, prefix=f"{run}/", recursive=False):
+        match = _VERSION_DIR.match(obj.object_name[len(run) + 1 :])
+        if match:
+            found.append(int(match.group(1)))
+    return sorted(found)
+
+
+def prune_versions(mc: Minio, run: str, keep: set[int]) -> list[int]:
+    """Deletes every staged version of `run` not in `keep`; returns the versions deleted."""
+    deleted = []
+    for version in staged_versions(mc, run):
+        if version in keep:
+            continue
+        prefix = version_prefix(run, version)
+        # The manifest goes first, so a half-deleted version never looks complete to a reader.
+        mc.remove_object(topics.WEIGHTS_BUCKET, prefix + MANIFEST_FILE)
+        for obj in mc.list_objects(topics.WEIGHTS_BUCKET, prefix=prefix, recursive=True):
+            mc.remove_object(topics.WEIGHTS_BUCKET, obj.object_name)
+        deleted.append(version)
+    return deleted

@@ -1,0 +1,143 @@
+"""`rollstream learner`: the learner process (learner/process.py) with its models, clients and signals.
+
+One process:      rollstream learner --run r1 --model ./models/default
+Resume:           rollstream learner --run r1 --model ./models/default --resume
+Several (DDP):    torchrun --nproc_per_node 2 -m pipeline.learner_cmd --run-id r1 --model ./models/default
+                  (torchrun's own parser takes `--run` for its --run-path, hence --run-id)
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+import typer
+from pydantic import ValidationError
+from torch.nn.parallel import DistributedDataParallel
+
+from learner import distributed
+from learner.process import LearnerLoop, ProcessSettings, ResumeError
+from learner.settings import LearnerSettings
+from learner.step import make_optimizer
+from pipeline.config import load_config
+from schemas import objectstore, topics
+from schemas.bus import EventProducer
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"rollstream learner: {message}", err=True)
+    raise typer.Exit(code=1)
+
+
+def load_policy(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, dict[str, Any]]:
+    """The policy (float32, CPU) from a Hugging Face checkpoint, its frozen reference copy, and
+    its config as config.json holds it."""
+    from transformers import AutoModelForCausalLM  # heavy import, only when a model is loaded
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    ref = copy.deepcopy(model)
+    ref.requires_grad_(False)
+    ref.eval()
+    return model, ref, json.loads(model.config.to_json_string())
+
+
+class _StopFlag:
+    """Set by SIGTERM/SIGINT; the loop checkpoints and exits after the step in progress."""
+
+    def __init__(self) -> None:
+        self.set = False
+
+    def __call__(self, *_: object) -> None:
+        self.set = True
+
+
+@app.command()
+def learner(
+    run: str = typer.Option(..., "--run", "--run-id",
+                            help="Run id: names its versions, checkpoints and consumer group (--run-id under torchrun)."),
+    model_path: Path = typer.Option(..., "--model", help="Hugging Face checkpoint directory of the initial policy."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run from its latest checkpoint."),
+    checkpoint_interval: int | None = typer.Option(None, help="Steps between checkpoints (default: settings)."),
+    lr: float | None = typer.Option(None, help="AdamW learning rate (default: settings, 1e-6)."),
+    max_tokens_per_micro_batch: int | None = typer.Option(None, help="Micro-batch token budget (default: settings)."),
+    max_steps: int | None = typer.Option(None, help="Stop once the run has taken this many steps."),
+    idle_exit: float | None = typer.Option(None, help="Stop after this many seconds without a batch."),
+    config: Path | None = typer.Option(None, "--config", help="YAML configuration file."),
+    quiet: bool = typer.Option(False, "--quiet", help="No per-step progress line."),
+    as_json: bool = typer.Option(False, "--json", help="At exit, one JSON object (step, version) on stdout."),
+) -> None:
+    """Train on the run's `batches`, publishing every version to MinIO and `weights`.
+
+    Example: rollstream learner --run r1 --model ./models/default --checkpoint-interval 5 --resume
+    """
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not (model_path / "config.json").is_file():
+        _fail(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
+    overrides = {k: v for k, v in {"checkpoint_interval": checkpoint_interval, "lr": lr,
+                                   "max_tokens_per_micro_batch": max_tokens_per_micro_batch}.items() if v is not None}
+    try:
+        settings = LearnerSettings(**overrides)
+        process = ProcessSettings(max_steps=max_steps, idle_exit_s=idle_exit)
+    except ValidationError as e:
+        _fail(f"invalid setting: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
+    cfg = load_config(config)
+
+    # torchrun's variables: the only place the process reads them.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+
+    model, ref, model_config = load_policy(model_path)
+    optimizer = make_optimizer(model, settings)
+    stop = _StopFlag()
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    try:
+        if rank != 0:
+            distributed.sync_from_leader(model, optimizer)
+            distributed.follow(DistributedDataParallel(model), ref, optimizer, settings)
+            return
+        producer = EventProducer(cfg.kafka, client_id=f"learner-{run}")
+        mc = objectstore.client(cfg.object_store)
+        objectstore.ensure_buckets(mc, [topics.WEIGHTS_BUCKET, topics.CHECKPOINTS_BUCKET])
+        loop = LearnerLoop(
+            run=run, settings=settings, process=process, model=model, optimizer=optimizer,
+            step_fn=distributed.single_process_step_fn(model, ref, optimizer, settings), model_config=model_config,
+            kafka=cfg.kafka, mc=mc, producer=producer, should_stop=lambda: stop.set,
+            progress=(lambda line: None) if quiet else (lambda line: typer.echo(line, err=True)),
+        )
+        try:
+            state = loop.start(resume=resume)
+        except ResumeError as e:
+            _fail(str(e))
+        if world > 1:
+            distributed.sync_from_leader(model, optimizer)
+            ddp = DistributedDataParallel(model)
+            loop.step_fn = distributed.leader_step_fn(ddp, ref, optimizer, settings)
+        try:
+            state = loop.loop(state)
+        finally:
+            if world > 1:
+                distributed.share_batch(None)
+        producer.flush()
+        if as_json:
+            typer.echo(json.dumps({"run": run, "step": state.step, "version": state.version,
+                                   "applied_batches": len(state.applied_batch_ids)}))
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    app()

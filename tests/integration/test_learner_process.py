@@ -1,0 +1,176 @@
+"""The learner process against the real Kafka and MinIO: batches in, verified versions out."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from confluent_kafka import Consumer, TopicPartition
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from learner import publish
+from learner.distributed import single_process_step_fn
+from learner.manifest import decode_version
+from learner.process import LearnerLoop, ProcessSettings, ResumeError
+from learner.settings import LearnerSettings
+from learner.step import make_optimizer
+from pipeline.learner_cmd import load_policy
+from schemas import arrays, objectstore, samples, topics
+from schemas.bus import EventConsumer, EventProducer
+from schemas.weight_layout import WeightManifest
+
+pytestmark = pytest.mark.integration
+
+SETTINGS = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=64, checkpoint_interval=2)
+
+
+def save_tiny_model(directory: Path) -> Path:
+    """The brief's tiny random Qwen2, saved as a Hugging Face checkpoint."""
+    torch.manual_seed(0)
+    config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, vocab_size=300, max_position_embeddings=128)
+    Qwen2ForCausalLM(config).save_pretrained(directory)
+    return directory
+
+
+def make_batch(run: str, index: int, members: int = 4) -> dict:
+    """A batches event (schemas/avro/batch.avsc) with packed arrays, deterministic in `index`."""
+    rng = np.random.default_rng(index)
+    items = []
+    for member in range(members):
+        t = samples.trajectory(member=member, num_tokens=int(rng.integers(12, 24)))
+        n = t["num_tokens"]
+        mask = np.zeros(n, dtype=np.uint8)
+        mask[t["prompt_tokens"]:] = 1
+        t.update(run=run, group_id=f"{run}-g{index}", trajectory_id=f"{run}-t{index}-{member}",
+                 input_ids=arrays.pack_ids(rng.integers(0, 300, n)), loss_mask=arrays.pack_mask(mask),
+                 rollout_logprobs=arrays.pack_logprobs(-rng.exponential(1.0, n) * mask))
+        t["turns"][0]["weight_version"] = max(0, index - 1)
+        items.append({"trajectory": t, "group_advantage": 0.0, "advantage": float(rng.normal())})
+    batch = samples.batch()
+    batch_id = hashlib.sha256(f"{run}/{index}".encode()).hexdigest()[:16]
+    batch.update(batch_id=batch_id, run=run, index=index, credit_version=index, group_ids=[f"{run}-g{index}"],
+                 items=items)
+    return batch
+
+
+def produce(infra, batches: list[dict]) -> None:
+    with EventProducer(infra.kafka) as producer:
+        for b in batches:
+            producer.send(topics.BATCHES, b, key=b["batch_id"])
+
+
+def weight_events(infra, run: str, expected: int, timeout: float = 60.0) -> list[dict]:
+    """The run's weights events, read from the start, once `expected` of them are there."""
+    consumer = EventConsumer(infra.kafka, group_id=f"check-{uuid.uuid4().hex}", topic_names=[])
+    consumer.assign({topics.WEIGHTS: {p: 0 for p in consumer.end_offsets(topics.WEIGHTS)}})
+    found: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while len(found) < expected and time.monotonic() < deadline:
+        e = consumer.poll(0.5)
+        if e is not None and e.value["run"] == run:
+            found.append(e.value)
+    consumer.close()
+    return found
+
+
+def staged_tensors(mc, event: dict) -> dict[str, torch.Tensor]:
+    """Downloads a version's manifest and shards and verifies every sha256."""
+    manifest = WeightManifest.from_json(objectstore.get_bytes(mc, *objectstore.parse_uri(event["manifest_uri"])))
+    shards = {}
+    for record in event["shards"]:
+        bucket, key = objectstore.parse_uri(record["uri"])
+        shards[key.rsplit("/", 1)[1]] = objectstore.get_bytes(mc, bucket, key)
+    return decode_version(manifest, shards)
+
+
+def make_loop(infra, run: str, model_dir: Path, process: ProcessSettings) -> LearnerLoop:
+    model, ref, config = load_policy(model_dir)
+    optimizer = make_optimizer(model, SETTINGS)
+    return LearnerLoop(run=run, settings=SETTINGS, process=process, model=model, optimizer=optimizer,
+                       step_fn=single_process_step_fn(model, ref, optimizer, SETTINGS), model_config=config,
+                       kafka=infra.kafka, mc=objectstore.client(infra.object_store),
+                       producer=EventProducer(infra.kafka), broadcaster=lambda tensors, version: ["current"])
+
+
+def test_learner_publishes_one_verified_version_per_batch_and_skips_repeats(infra, tmp_path):
+    run = f"learner-{uuid.uuid4().hex[:10]}"
+    model_dir = save_tiny_model(tmp_path / "model")
+    batches = [make_batch(run, i) for i in range(4)]
+    other_run = make_batch(f"other-{run}", 0)
+    produce(infra, [batches[0], other_run, batches[1], batches[0], batches[2], batches[3]])  # batch 0 twice
+
+    metrics_consumer = EventConsumer(infra.kafka, group_id=f"check-{uuid.uuid4().hex}", topic_names=[])
+    metrics_consumer.assign({topics.METRICS: metrics_consumer.end_offsets(topics.METRICS)})
+    loop = make_loop(infra, run, model_dir,
+                     ProcessSettings(max_steps=4, keep_versions=2, stale_step=2, keep_stale_versions=1,
+                                     poll_timeout_s=0.2, idle_exit_s=30))
+    state = loop.loop(loop.start(resume=False))
+
+    events = weight_events(infra, run, 5)
+    assert [e["version"] for e in events] == [0, 1, 2, 3, 4]
+    assert [e["batch_id"] for e in events] == [None] + [b["batch_id"] for b in batches]
+    assert [e["broadcast_pools"] for e in events] == [["current"]] * 5
+    assert state.step == 4 and state.version == 4
+    mc = loop.mc
+    newest = staged_tensors(mc, events[-1])
+    for name, tensor in loop.model.state_dict().items():
+        assert torch.equal(newest[name], tensor), name
+    # retention: the 2 newest, the newest multiple of stale_step (4), and the checkpoints' versions (2, 4)
+    assert publish.staged_versions(mc, run) == [2, 3, 4]
+    # every batch offset, the duplicate and the other run's included, is committed
+    raw = Consumer(infra.kafka.as_confluent(**{"group.id": f"learner-{run}"}))
+    committed = raw.committed([TopicPartition(topics.BATCHES, 0)], timeout=10)[0].offset
+    raw.close()
+    high = EventConsumer(infra.kafka, group_id=f"check-{uuid.uuid4().hex}", topic_names=[])
+    assert committed == high.end_offsets(topics.BATCHES)[0]
+    high.close()
+    expected = {"actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
+                "actor/grad_norm", "perf/tokens_per_s", "timing/wait_s", "timing/ref_s", "timing/actor_s",
+                "timing/publish_s", "rollout/behaviour_lag"}
+    names = set()
+    deadline = time.monotonic() + 20
+    while not expected <= names and time.monotonic() < deadline:  # 4 partitions: any order
+        e = metrics_consumer.poll(0.5)
+        if e is not None and e.value["run"] == run:
+            names.add(e.value["name"])
+    metrics_consumer.close()
+    assert expected <= names
+
+
+def test_a_fresh_start_on_a_run_with_versions_is_refused(infra, tmp_path):
+    run = f"learner-{uuid.uuid4().hex[:10]}"
+    model_dir = save_tiny_model(tmp_path / "model")
+    first = make_loop(infra, run, model_dir, ProcessSettings(max_steps=1))
+    first.start(resume=False)
+    assert [e["version"] for e in weight_events(infra, run, 1)] == [0]
+    with pytest.raises(ResumeError, match="already has versions up to 0"):
+        make_loop(infra, run, model_dir, ProcessSettings(max_steps=1)).start(resume=False)
+
+
+def test_learner_command_refuses_a_directory_without_a_model_in_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from pipeline import learner_cmd
+
+    result = CliRunner().invoke(learner_cmd.app, ["--run", "r", "--model", str(tmp_path)])
+    assert result.exit_code == 1
+    assert result.output.strip() == f"rollstream learner: {tmp_path} is not a Hugging Face checkpoint directory (no config.json)"
+
+
+def test_bench_learner_refuses_an_empty_batch_in_one_line():
+    import typer
+    from typer.testing import CliRunner
+
+    from pipeline.bench_learner import bench_learner
+
+    app = typer.Typer()
+    app.command()(bench_learner)
+    result = CliRunner().invoke(app, ["--sequences", "0"])
+    assert result.exit_code == 1
+    assert result.output.strip() == "rollstream bench learner: --sequences and --repeats must be >= 1"
