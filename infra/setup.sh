@@ -33,6 +33,9 @@ setup_python() {
     || die "Python 3.11 is needed (set PYTHON=/path/to/python3.11)"
   log "installing the Python environment into $VENV"
   [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+  # Packages that compile from source (fast-downward-textworld) run `python build.py`: it must be
+  # the environment's python, not whatever python3 comes first on the machine's PATH.
+  export PATH="$VENV/bin:$PATH"
   local pip=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
   "${pip[@]}" install --upgrade "pip==26.3" >&2
   local extra=cpu find_links=()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from pipeline import advantages_cmd, bench_bus, bench_learner, env_cmd, infra_cmd, learner_cmd, model_cmd, smoke
+from pipeline import advantages_cmd, bench_bus, bench_envs, bench_learner, env_cmd, infra_cmd, learner_cmd, model_cmd, smoke
 
 app = typer.Typer(
     name="rollstream",
@@ -28,6 +28,7 @@ app.command("smoke")(smoke.smoke)
 app.command("advantages")(advantages_cmd.advantages)
 bench_app.command("bus")(bench_bus.bench_bus)
 bench_app.command("learner")(bench_learner.bench_learner)
+bench_app.command("envs")(bench_envs.bench_envs)
 app.command("learner")(learner_cmd.learner)
 
 

@@ -18,6 +18,8 @@ FAMILY_MODULES: dict[str, str] = {
     "db": "env_workers.envs.db",
     "kg": "env_workers.envs.kg",
     "os": "env_workers.envs.os_env",
+    "webshop": "env_workers.envs.webshop",
+    "alfworld": "env_workers.envs.alfworld",
 }
 
 
