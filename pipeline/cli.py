@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import typer
 
-from pipeline import advantages_cmd, bench_bus, bench_envs, bench_learner, env_cmd, infra_cmd, learner_cmd, model_cmd, smoke
+from pipeline import advantages_cmd, bench_bus, bench_envs, bench_learner, engine_cmd, env_cmd, infra_cmd, learner_cmd, model_cmd, smoke
 
 app = typer.Typer(
     name="rollstream",
@@ -30,6 +30,7 @@ bench_app.command("bus")(bench_bus.bench_bus)
 bench_app.command("learner")(bench_learner.bench_learner)
 bench_app.command("envs")(bench_envs.bench_envs)
 app.command("learner")(learner_cmd.learner)
+app.command("engine")(engine_cmd.engine)
 
 
 def _not_built(name: str, issue: int) -> None:
@@ -44,7 +45,7 @@ def _not_built(name: str, issue: int) -> None:
 
 
 for _name, _issue in [
-    ("engine", 4), ("env-worker", 4),
+    ("env-worker", 4),
     ("dispatch", 5), ("streams", 5),
     ("up", 7), ("eval", 7), ("replay", 7), ("report", 7),
 ]:
