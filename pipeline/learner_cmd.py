@@ -28,6 +28,7 @@ from learner.process import LearnerLoop, ProcessSettings, ResumeError
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer
 from pipeline.config import load_config
+from pipeline.engine.broadcaster import EngineBroadcaster, PoolBroadcaster
 from schemas import objectstore, topics
 from schemas.bus import EventProducer
 
@@ -61,6 +62,20 @@ class _StopFlag:
         self.set = True
 
 
+def _broadcaster(current: str, stale: str, host: str, port: int, stale_step: int,
+                 settings: LearnerSettings) -> EngineBroadcaster | None:
+    """The fast path to the engines named on the command line, or None (MinIO only)."""
+    pools = {}
+    for offset, (pool, urls) in enumerate((("current", current), ("stale", stale))):
+        urls_list = [u.strip() for u in urls.split(",") if u.strip()]
+        if urls_list:
+            pools[pool] = PoolBroadcaster(pool, urls_list, host, port + offset, settings.bucket_size_bytes,
+                                          backend="nccl" if torch.cuda.is_available() else "gloo")
+    if not pools:
+        return None
+    return EngineBroadcaster(pools.get("current"), pools.get("stale"), stale_step)
+
+
 @app.command()
 def learner(
     run: str = typer.Option(..., "--run", "--run-id",
@@ -72,6 +87,13 @@ def learner(
     max_tokens_per_micro_batch: int | None = typer.Option(None, help="Micro-batch token budget (default: settings)."),
     max_steps: int | None = typer.Option(None, help="Stop once the run has taken this many steps."),
     idle_exit: float | None = typer.Option(None, help="Stop after this many seconds without a batch."),
+    broadcast_current: str = typer.Option("", "--broadcast-current",
+                                          help="Comma-separated engine URLs of the current pool: every version goes to them by broadcast."),
+    broadcast_stale: str = typer.Option("", "--broadcast-stale",
+                                        help="Comma-separated engine URLs of the stale pool: every --stale-step-th version."),
+    broadcast_host: str = typer.Option("127.0.0.1", "--broadcast-host", help="Address the engines reach this learner at."),
+    broadcast_port: int = typer.Option(29555, "--broadcast-port", help="First port of the weight-sync groups (current; stale +1)."),
+    stale_step: int = typer.Option(25, "--stale-step", help="Versions between stale-pool refreshes (AgentRL: 25)."),
     config: Path | None = typer.Option(None, "--config", help="YAML configuration file."),
     quiet: bool = typer.Option(False, "--quiet", help="No per-step progress line."),
     as_json: bool = typer.Option(False, "--json", help="At exit, one JSON object (step, version) on stdout."),
@@ -113,6 +135,8 @@ def learner(
         objectstore.ensure_buckets(mc, [topics.WEIGHTS_BUCKET, topics.CHECKPOINTS_BUCKET])
         loop = LearnerLoop(
             run=run, settings=settings, process=process, model=model, optimizer=optimizer,
+            broadcaster=_broadcaster(broadcast_current, broadcast_stale, broadcast_host, broadcast_port,
+                                     stale_step, settings),
             step_fn=distributed.single_process_step_fn(model, ref, optimizer, settings), model_config=model_config,
             kafka=cfg.kafka, mc=mc, producer=producer, should_stop=lambda: stop.set,
             progress=(lambda line: None) if quiet else (lambda line: typer.echo(line, err=True)),

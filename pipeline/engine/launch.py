@@ -1,0 +1,78 @@
+"""Start and stop `rollstream engine` processes (for `rollstream up`, benchmarks and tests)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class EngineProcess:
+    """One running engine: its supervisor process (which owns vLLM's server) and where it serves."""
+
+    pool: str
+    engine_id: str
+    url: str
+    process: subprocess.Popen
+    log_path: Path
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def wait_until_serving(self, timeout_s: float = 300.0) -> float:
+        """Blocks until the control surface answers; returns the seconds it took. An engine that
+        exits or does not come up raises with the end of its log."""
+        started = time.monotonic()
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"engine {self.engine_id} exited with {self.process.returncode}:\n{self.log_tail()}")
+            if time.monotonic() - started > timeout_s:
+                raise RuntimeError(f"engine {self.engine_id} not serving after {timeout_s:.0f} s:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.url}/rollstream/state", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """SIGTERM to the whole process group (supervisor and vLLM), SIGKILL if it lingers."""
+        if self.process.poll() is not None:
+            return
+        os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port: int | None = None,
+                  engine_id: str | None = None, extra_args: tuple[str, ...] = (),
+                  cwd: Path | None = None) -> EngineProcess:
+    """Starts `rollstream engine` in its own process group; call `wait_until_serving` next."""
+    port = port or free_port()
+    engine_id = engine_id or f"{pool}-{port}"
+    work_dir.mkdir(parents=True, exist_ok=True)
+    log_path = work_dir / f"{engine_id}.log"
+    command = [sys.executable, "-m", "pipeline.engine_cmd", "--pool", pool, "--model", str(model_dir),
+               "--port", str(port), "--engine-id", engine_id, "--run", run,
+               "--work-dir", str(work_dir / engine_id), *extra_args]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
+                                   start_new_session=True)
+    return EngineProcess(pool, engine_id, f"http://127.0.0.1:{port}", process, log_path)
