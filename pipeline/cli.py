@@ -9,7 +9,22 @@ from __future__ import annotations
 
 import typer
 
-from pipeline import advantages_cmd, bench_bus, bench_envs, bench_learner, engine_cmd, env_cmd, infra_cmd, learner_cmd, model_cmd, smoke
+from pipeline import (
+    advantages_cmd,
+    bench_bus,
+    bench_envs,
+    bench_learner,
+    bench_streams,
+    dispatch_cmd,
+    engine_cmd,
+    env_cmd,
+    env_worker_cmd,
+    infra_cmd,
+    learner_cmd,
+    model_cmd,
+    smoke,
+    streams_cmd,
+)
 
 app = typer.Typer(
     name="rollstream",
@@ -31,6 +46,10 @@ bench_app.command("learner")(bench_learner.bench_learner)
 bench_app.command("envs")(bench_envs.bench_envs)
 app.command("learner")(learner_cmd.learner)
 app.command("engine")(engine_cmd.engine)
+app.command("env-worker")(env_worker_cmd.env_worker)
+app.add_typer(streams_cmd.app, name="streams")
+app.command("dispatch")(dispatch_cmd.dispatch)
+bench_app.command("streams")(bench_streams.bench_streams)
 
 
 def _not_built(name: str, issue: int) -> None:
@@ -45,8 +64,6 @@ def _not_built(name: str, issue: int) -> None:
 
 
 for _name, _issue in [
-    ("env-worker", 4),
-    ("dispatch", 5), ("streams", 5),
     ("up", 7), ("eval", 7), ("replay", 7), ("report", 7),
 ]:
     _not_built(_name, _issue)

@@ -39,6 +39,6 @@ def test_kafka_settings_become_each_clients_own_names():
 
 
 def test_a_subcommand_that_is_not_built_fails_loudly():
-    result = CliRunner().invoke(app, ["learner", "--resume"])
+    result = CliRunner().invoke(app, ["replay", "trajectories"])
     assert result.exit_code == 2
-    assert "not built yet (issue #6)" in result.output
+    assert "not built yet (issue #7)" in result.output

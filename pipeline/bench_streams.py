@@ -1,0 +1,346 @@
+"""`rollstream bench streams`: what the Faust stream processor sustains on this machine.
+
+Runs a real streams worker (router + aggregator + batcher + metrics, as deployed) as a
+subprocess against the real broker, and plays dispatcher, env workers and learner around it:
+- capacity: groups of 8k-token trajectories are fed as fast as the pipeline takes them, with a
+  bounded number in flight (the dispatcher's bound), and the learner answers each batch with a
+  weight version at once; sustained trajectories/s = trajectories in batches / elapsed;
+- latency at the paper's 64-GPU rate (~30 trajectories/s): the time from a group's last member
+  being produced to the `batches` event that holds it, p50/p99.
+The headline `ratio` is sustained trajectories/s / 30.
+
+The helpers here (synthetic events, a worker subprocess, a topic reader) are what the streams
+integration tests use too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import typer
+from confluent_kafka import Consumer, TopicPartition
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.config import REPO_ROOT, load_config
+from schemas import arrays, samples, topics
+from schemas.bus import EventProducer, now_ms
+from schemas.codec import UndecodableEvent, codec
+from schemas.settings import KafkaSettings
+from streams.worker import start_at_end
+
+PAPER_RATE = 30.0  # trajectories/s of the paper's 64-GPU setup
+
+
+# -- synthetic events ---------------------------------------------------------------------------
+
+def trajectory(run: str, group_id: str, member: int, group_size: int, reward: float, *, task: str = "db",
+               num_tokens: int = 16, status: str = "completed", version: int = 0, sample_index: int = 0,
+               validation: bool = False, rng: np.random.Generator | None = None) -> dict[str, Any]:
+    """A valid trajectory event of one group member (schemas.samples.trajectory, re-addressed)."""
+    t = samples.trajectory(member=member, num_tokens=num_tokens, reward=reward)
+    if rng is not None:
+        t["input_ids"] = arrays.pack_ids(rng.integers(0, 264, num_tokens))
+        prompt = t["prompt_tokens"]
+        t["rollout_logprobs"] = arrays.pack_logprobs(
+            np.concatenate([np.zeros(prompt), -rng.exponential(1.0, num_tokens - prompt)]))
+    t.update(trajectory_id=f"{group_id}-{member}", run=run, group_id=group_id, group_size=group_size, task=task,
+             status=status, sample_index=sample_index, validation=validation, finished_at_ms=now_ms())
+    t["turns"] = [{**turn, "weight_version": version} for turn in t["turns"]]
+    return t
+
+
+def weights(run: str, version: int) -> dict[str, Any]:
+    """A weight_version event of the run (what the learner publishes after each step)."""
+    return {**samples.weight_version(), "run": run, "version": version, "step": version,
+            "published_at_ms": now_ms()}
+
+
+# -- a worker subprocess ------------------------------------------------------------------------
+
+@dataclass
+class WorkerProcess:
+    """`rollstream streams worker` as a subprocess (its own session, so SIGKILL takes it whole)."""
+
+    app_id: str
+    datadir: Path
+    log_path: Path
+    options: list[str] = field(default_factory=list)
+    proc: subprocess.Popen | None = None
+    _log: IO[bytes] | None = None
+
+    def start(self) -> WorkerProcess:
+        self._log = open(self.log_path, "ab")
+        cmd = [sys.executable, "-m", "pipeline.streams_cmd", "worker", "--app-id", self.app_id,
+               "--datadir", str(self.datadir), *self.options]
+        self.proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no final commit (what a crash looks like)."""
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        if self._log is not None:
+            self._log.close()
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+
+# -- reading outputs ----------------------------------------------------------------------------
+
+class TopicReader:
+    """Reads decoded events of some topics from their end at creation on, keeping a run's events."""
+
+    def __init__(self, kafka: KafkaSettings, topic_names: Iterable[str], run: str | None = None) -> None:
+        self.run = run
+        self._consumer = Consumer(kafka.as_confluent(**{
+            "group.id": f"reader-{uuid.uuid4().hex[:10]}", "enable.auto.commit": False,
+            "fetch.message.max.bytes": kafka.message_max_bytes, "fetch.wait.max.ms": 5}))
+        parts = []
+        for name in topic_names:
+            meta = self._consumer.list_topics(name, timeout=10).topics[name]
+            for p in meta.partitions:
+                end = self._consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)[1]
+                parts.append(TopicPartition(name, p, end))
+        self._consumer.assign(parts)
+        self.events: dict[str, list[dict[str, Any]]] = {name: [] for name in topic_names}
+        self.received_at: dict[str, list[float]] = {name: [] for name in topic_names}
+        self.keys: dict[str, list[bytes | None]] = {name: [] for name in topic_names}
+
+    def poll(self, timeout: float = 0.2) -> int:
+        """Reads what has arrived (waiting up to `timeout`); returns how many events were kept."""
+        kept = 0
+        for msg in self._consumer.consume(500, timeout):
+            if msg.error() is not None:
+                continue
+            name = msg.topic()
+            try:
+                value = codec().decode(msg.value(), topics.EVENT_OF_TOPIC[name])
+            except UndecodableEvent:
+                continue  # another producer's garbage; the streams app dead-letters it
+            run = value.get("run", value.get("request", {}).get("run"))
+            if self.run is not None and name != topics.DLQ and run != self.run:
+                continue
+            self.events[name].append(value)
+            self.received_at[name].append(time.perf_counter())
+            self.keys[name].append(msg.key())
+            kept += 1
+        return kept
+
+    def wait_for(self, predicate, timeout_s: float, what: str = "", on_poll=None, log=None) -> None:  # type: ignore[no-untyped-def]
+        """Polls until predicate() holds; AssertionError naming `what` (and log(), if given) on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                detail = f"\n{log()}" if log is not None else ""
+                raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what() if callable(what) else what}{detail}")
+            self.poll()
+            if on_poll is not None:
+                on_poll()
+
+    def close(self) -> None:
+        self._consumer.close()
+
+
+# -- the benchmark ------------------------------------------------------------------------------
+
+GROUP_SIZE = 8
+TOKENS = 8192
+
+
+class _Run:
+    """Feeds one run's groups to the worker and plays the learner (a weight version per batch)."""
+
+    def __init__(self, kafka: KafkaSettings, run: str, seed: int) -> None:
+        self.run = run
+        self.producer = EventProducer(kafka, client_id=f"bench-{run}", **{"linger.ms": 2})
+        self.reader = TopicReader(kafka, [topics.BATCHES], run=run)
+        self.rng = np.random.default_rng(seed)
+        self.answered: set[str] = set()
+        self.batched_at: dict[str, float] = {}  # group_id -> when its batch was read
+
+    def group_events(self, index: int) -> tuple[str, list[bytes], list[bytes]]:
+        """A group's n task requests and n encoded 8k-token trajectories (encoded up front)."""
+        gid = f"{self.run}-g{index}"
+        requests = [codec().encode("task_requested", {**samples.task_requested(m), "run": self.run, "group_id": gid})
+                    for m in range(GROUP_SIZE)]
+        trajs = [codec().encode("trajectory", trajectory(self.run, gid, m, GROUP_SIZE, float(self.rng.random() < 0.5),
+                                                         num_tokens=TOKENS, sample_index=index, rng=self.rng))
+                 for m in range(GROUP_SIZE)]
+        return gid, requests, trajs
+
+    def send(self, topic: str, gid: str, data: bytes) -> None:
+        self.producer.send_raw(topic, data, key=gid)
+
+    def pump(self, timeout: float) -> None:
+        """Reads batches and answers each new one with the next weight version."""
+        self.producer.poll(0)
+        if not self.reader.poll(timeout):
+            return
+        now = time.perf_counter()
+        for batch in self.reader.events[topics.BATCHES]:
+            if batch["batch_id"] in self.answered:
+                continue
+            self.answered.add(batch["batch_id"])
+            for gid in batch["group_ids"]:
+                self.batched_at.setdefault(gid, now)
+            self.producer.send(topics.WEIGHTS, weights(self.run, len(self.answered)), key=self.run)
+        self.producer.flush()
+
+    def close(self) -> None:
+        self.reader.close()
+        self.producer.flush()
+
+
+def _wait_batched(r: _Run, gids: Iterable[str], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    want = set(gids)
+    while not want <= set(r.batched_at):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{len(want - set(r.batched_at))} groups not batched within {timeout_s:g} s")
+        r.pump(0.05)
+
+
+def measure_capacity(kafka: KafkaSettings, groups: int, window: int) -> dict[str, Any]:
+    """Sustained trajectories/s with at most `window` groups fed and not yet batched."""
+    r = _Run(kafka, f"bench-cap-{uuid.uuid4().hex[:8]}", seed=1)
+    prepared = [r.group_events(i) for i in range(groups)]
+    start = time.perf_counter()
+    sent = 0
+    try:
+        while len(r.batched_at) < groups:
+            while sent < groups and sent - len(r.batched_at) < window:
+                gid, requests, trajs = prepared[sent]
+                for data in requests:
+                    r.send(topics.TASKS_REQUESTED, gid, data)
+                for data in trajs:
+                    r.send(topics.TRAJECTORIES, gid, data)
+                sent += 1
+            r.pump(0.02)
+            if time.perf_counter() - start > 300:
+                raise TimeoutError(f"only {len(r.batched_at)} of {groups} groups batched in 300 s")
+        elapsed = time.perf_counter() - start
+    finally:
+        r.close()
+    return {"groups": groups, "trajectories": groups * GROUP_SIZE, "seconds": round(elapsed, 3),
+            "trajectories_per_s": groups * GROUP_SIZE / elapsed, "batches": len(r.answered),
+            "window_groups": window}
+
+
+def measure_latency(kafka: KafkaSettings, rate: float, seconds: float) -> dict[str, Any]:
+    """Last member produced -> its batch read, at `rate` trajectories/s."""
+    r = _Run(kafka, f"bench-lat-{uuid.uuid4().hex[:8]}", seed=2)
+    groups = max(2, int(rate * seconds) // GROUP_SIZE)
+    prepared = [r.group_events(i) for i in range(groups)]
+    schedule = [(i * GROUP_SIZE + m) / rate for i in range(groups) for m in range(GROUP_SIZE)]
+    last_sent: dict[str, float] = {}
+    start = time.perf_counter()
+    try:
+        for k, due in enumerate(schedule):
+            while time.perf_counter() - start < due:
+                r.pump(min(0.005, max(0.0, due - (time.perf_counter() - start))))
+            gid, requests, trajs = prepared[k // GROUP_SIZE]
+            m = k % GROUP_SIZE
+            r.send(topics.TASKS_REQUESTED, gid, requests[m])
+            r.send(topics.TRAJECTORIES, gid, trajs[m])
+            r.producer.poll(0)
+            if m == GROUP_SIZE - 1:
+                last_sent[gid] = time.perf_counter()
+        _wait_batched(r, last_sent, 120)
+    finally:
+        r.close()
+    lat = [1000 * (r.batched_at[g] - last_sent[g]) for g in last_sent]
+    return {"rate": rate, "groups": groups, "p50_ms": float(np.percentile(lat, 50)),
+            "p99_ms": float(np.percentile(lat, 99)), "max_ms": float(max(lat))}
+
+
+def bench_streams(
+    groups: int = typer.Option(100, help="Groups of 8 x 8k-token trajectories for the capacity run."),
+    window: int = typer.Option(24, help="Groups fed and not yet batched at most (the dispatcher's bound)."),
+    latency_seconds: float = typer.Option(10.0, help="Duration of the latency run at the paper's rate."),
+    partitions: int = typer.Option(8, help="Partitions of the worker's internal topics."),
+    config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
+) -> None:
+    """Measure the streams worker: sustained trajectories/s and last-member -> batch latency.
+
+    Example:
+
+        rollstream bench streams --json
+    """
+    kafka = load_config(config).kafka
+    app_id = f"bench-streams-{uuid.uuid4().hex[:8]}"
+    start_at_end(kafka, app_id)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-streams-"))
+    worker = WorkerProcess(app_id, workdir / "data", workdir / "worker.log", [
+        "--partitions", str(partitions), "--no-web", "--group-size", str(GROUP_SIZE), "--batch-size", "1",
+        "--first-batch-factor", "1.0", "--sweep-interval-s", "1"]).start()
+    err = Console(stderr=True)
+    try:
+        err.print("warming up the worker ...")
+        warm = _Run(kafka, f"bench-warm-{uuid.uuid4().hex[:8]}", seed=0)
+        gid, requests, trajs = warm.group_events(0)
+        for data in trajs:
+            warm.send(topics.TRAJECTORIES, gid, data)
+        _wait_batched(warm, [gid], 120)
+        warm.close()
+        err.print(f"capacity: {groups} groups of {GROUP_SIZE} x {TOKENS}-token trajectories ...")
+        capacity = measure_capacity(kafka, groups, window)
+        err.print(f"latency at {PAPER_RATE:g} trajectories/s for {latency_seconds:g} s ...")
+        latency = measure_latency(kafka, PAPER_RATE, latency_seconds)
+    except TimeoutError as e:
+        typer.echo(f"rollstream bench streams: {e}\n{worker.log_tail(2000)}", err=True)
+        raise typer.Exit(code=1) from None
+    finally:
+        worker.stop()
+    result = {
+        "ratio": capacity["trajectories_per_s"] / PAPER_RATE,
+        "capacity": capacity,
+        "latency": latency,
+        # the machine is shared: the load average says how much of it the figures had
+        "setup": {"workers": 1, "partitions": partitions, "tokens": TOKENS, "group_size": GROUP_SIZE,
+                  "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
+        "scaling": "router and aggregator scale with partitions x workers (each partition is owned by "
+                   "one worker); the batcher is one partition by design, so its share of the work "
+                   "(the group events once more) bounds one run's throughput",
+    }
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    table = Table(title="rollstream bench streams (router + aggregator + batcher, one worker)")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("sustained trajectories/s (8k tokens)", f"{capacity['trajectories_per_s']:.1f}")
+    table.add_row(f"ratio to the paper's {PAPER_RATE:g}/s", f"{result['ratio']:.1f}x")
+    table.add_row(f"latency p50 at {PAPER_RATE:g}/s (last member -> batch)", f"{latency['p50_ms']:.1f} ms")
+    table.add_row(f"latency p99 at {PAPER_RATE:g}/s", f"{latency['p99_ms']:.1f} ms")
+    table.add_row("batches in the capacity run", str(capacity["batches"]))
+    table.add_row("machine load average (1 min) at the end", f"{result['setup']['load_average_1m']:.1f}")
+    Console().print(table)
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command()(bench_streams)

@@ -1,0 +1,94 @@
+"""`rollstream dispatch`: run the dispatcher for one run (pipeline/dispatcher.py)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from pydantic import ValidationError
+
+from env_workers.envs import registry
+from pipeline.config import load_config
+from pipeline.dispatcher import run_dispatcher
+from pipeline.dispatcher_logic import DispatcherSettings, TaskSource
+from pipeline.env_cmd import env_settings
+
+_D = DispatcherSettings(sources=(TaskSource(task="calc", split="train", count=1),))
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"rollstream dispatch: {message}", err=True)
+    raise typer.Exit(code=1)
+
+
+def parse_sources(spec: str, default_split: str) -> tuple[TaskSource, ...]:
+    """"calc,db:standard" -> one TaskSource per family (split after ':', else default_split),
+    with the split's sample count from the environment registry."""
+    sources = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        name, _, split = item.partition(":")
+        split = split or default_split
+        try:
+            splits = registry.split_names(name)
+            if split not in splits:
+                _fail(f"family {name!r} has no split {split!r}; splits: {', '.join(splits)}")
+            count = len(registry.samples(name, split, env_settings()))
+        except registry.UnknownFamily as e:
+            _fail(str(e))
+        if count == 0:
+            _fail(f"family {name!r} split {split!r} has no samples")
+        sources.append(TaskSource(task=name, split=split, count=count))
+    return tuple(sources)
+
+
+def dispatch(
+    run: str = typer.Option(..., help="Run id stamped on every request."),
+    families: str = typer.Option(..., help="Training families, interleaved in this order; FAMILY[:SPLIT]."),
+    max_groups: int = typer.Option(..., min=1, help="Stop once the run holds this many training groups."),
+    split: str = typer.Option("train", help="Split of a family given without one."),
+    val_families: str = typer.Option("", help="Validation families, FAMILY[:SPLIT] (default split dev)."),
+    group_size: int = typer.Option(_D.group_size, help="Rollouts per training sample, n."),
+    batch_size: int = typer.Option(_D.batch_size, help="Groups per training batch (sets the default in-flight bound)."),
+    max_in_flight: int | None = typer.Option(None, min=1, help="Groups in flight at most (default 2 x batch size)."),
+    val_interval: int = typer.Option(_D.val_interval, help="Validate every this many learner versions."),
+    val_group_size: int = typer.Option(_D.val_group_size, help="Rollouts per validation sample."),
+    no_val_before_train: bool = typer.Option(False, "--no-val-before-train", help="Skip validation round 0."),
+    poll_s: float = typer.Option(1.0, help="How long each progress poll waits."),
+    config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
+) -> None:
+    """Dispatch task groups for a run, keeping at most --max-in-flight groups untrained; a restart
+    resumes from what tasks.requested already holds.
+
+    Example:
+
+        rollstream dispatch --run r1 --families calc,db:standard --max-groups 512 --batch-size 32
+    """
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    try:
+        settings = DispatcherSettings(
+            sources=parse_sources(families, split),
+            validation_sources=parse_sources(val_families, "dev") if val_families else (),
+            group_size=group_size, batch_size=batch_size, max_in_flight_groups=max_in_flight,
+            val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train)
+    except ValidationError as e:
+        _fail("; ".join(err["msg"] for err in e.errors()))
+    if not settings.sources:
+        _fail("--families names no family")
+    summary = run_dispatcher(load_config(config).kafka, run, settings, max_groups, poll_s=poll_s)
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.echo(f"run {run}: {summary['dispatched_groups']} groups dispatched now, {summary['total_groups']} in all "
+                   f"(resumed at position {summary['resumed_at_position']}); validation rounds "
+                   f"{summary['validation_rounds'] or 'none'}")
+
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app.command()(dispatch)

@@ -1,0 +1,198 @@
+"""Group aggregator: trajectories -> groups (GRPO), with dedup, masking, timeouts and staleness.
+
+The decisions are aggregation.add_member / decide; this module keeps three tables, all
+partitioned like the aggregator's internal topic (keyed by group_id by the intake agent):
+
+- `agg-groups`  group_id -> the group's state (aggregation's dict) with the members' trajectories
+  *without* their token arrays, plus "partition" (which partition owns it, for the sweep);
+- `agg-members` "<group_id>/<member>" -> the member's trajectory event as received (raw bytes),
+  so each 70 kB trajectory is written to the changelog once instead of with every later member;
+- `agg-partition` "p<partition>" -> {"versions": {run: learner version}, "stats": {run: counters}}.
+
+A timer broadcasts a tick into every partition every sweep_interval_s; processing it sweeps that
+partition's open groups (timeouts, staleness) and deletes expired tombstones, since a group whose
+last member is lost receives no event of its own. Each dropped group is reported as a `metric`
+event named streams/group_dropped (labels group_id, reason) so the dispatcher releases its credit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from schemas import topics
+from schemas.codec import codec
+from streams import aggregation
+from streams.app import Out, Wiring
+from streams.serde import decode_from, encode_for, raw_table, tagged_table
+from streams.settings import StreamsSettings
+
+TICK = b"tick"
+TRAJECTORY, WEIGHTS = "trajectory", "weight_version"
+DROPPED_METRIC = "streams/group_dropped"
+_ARRAYS = ("input_ids", "loss_mask", "rollout_logprobs")
+
+
+@dataclass
+class AggregatorTables:
+    """The aggregator's tables (Faust tables in the worker, plain dicts in unit tests)."""
+
+    groups: MutableMapping[str, dict[str, Any]]
+    members: MutableMapping[str, bytes]
+    partitions: MutableMapping[str, dict[str, Any]]
+
+
+def member_key(group_id: str, member: int | str) -> str:
+    return f"{group_id}/{member}"
+
+
+def without_arrays(trajectory: dict[str, Any]) -> dict[str, Any]:
+    """The trajectory as the group state holds it: everything but the packed token arrays."""
+    return {**trajectory, **{k: b"" for k in _ARRAYS}}
+
+
+def _partition_state(tables: AggregatorTables, partition: int) -> dict[str, Any]:
+    return tables.partitions.get(f"p{partition}") or {"versions": {}, "stats": {}}
+
+
+def _record(tables: AggregatorTables, partition: int, run: str, counts: dict[str, int],
+            extra: dict[str, dict[str, int]] | None = None) -> None:
+    """Adds counts (and histogram entries) to the run's counters of this partition."""
+    part = _partition_state(tables, partition)
+    stats = part["stats"].get(run, {"counters": {}, "staleness": {}, "latency_ms": {}})
+    stats = {**stats, "counters": aggregation.tally(stats["counters"], counts)}
+    for hist, entries in (extra or {}).items():
+        stats[hist] = aggregation.tally(stats[hist], entries)
+    tables.partitions[f"p{partition}"] = {**part, "stats": {**part["stats"], run: stats}}
+
+
+def _latency_bucket(ms: int) -> str:
+    """Power-of-two millisecond buckets ("<=1", "<=2", "<=4", ...) for the latency histograms."""
+    bound = 1
+    while bound < ms:
+        bound *= 2
+    return f"<={bound}"
+
+
+def _close(tables: AggregatorTables, before: dict[str, Any], decision: aggregation.Decision, partition: int,
+           learner_version: int, now_ms: int) -> list[Out]:
+    """Sends what a closing decision produces, frees the members and writes the tombstone."""
+    gid, run = before["group_id"], before["run"]
+    outs: list[Out] = []
+    extra: dict[str, dict[str, int]] = {}
+    if decision.action == "emit":
+        group = decision.group
+        full = {str(m["trajectory"]["member"]): codec().decode(tables.members[member_key(gid, m["trajectory"]["member"])],
+                                                                TRAJECTORY) for m in group["members"]}
+        group = {**group, "members": [{**m, "trajectory": full[str(m["trajectory"]["member"])]}
+                                      for m in group["members"]]}
+        outs.append((topics.GROUPS, gid.encode(), encode_for(topics.GROUPS, group)))
+        extra = {"latency_ms": {"first:" + _latency_bucket(now_ms - group["first_arrival_ms"]): 1,
+                                "last:" + _latency_bucket(now_ms - group["last_arrival_ms"]): 1}}
+        if group["min_weight_version"] >= 0:
+            extra["staleness"] = {str(learner_version - group["min_weight_version"]): 1}
+    else:
+        metric = {"run": run, "name": DROPPED_METRIC, "value": 1.0, "step": learner_version,
+                  "labels": {"group_id": gid, "reason": decision.reason, "task": before["task"]},
+                  "source": "streams/aggregator", "at_ms": now_ms}
+        outs.append((topics.METRICS, DROPPED_METRIC.encode(), encode_for(topics.METRICS, metric)))
+    for member in before["members"]:
+        key = member_key(gid, member)
+        if key in tables.members:
+            del tables.members[key]
+    tables.groups[gid] = {**decision.state, "partition": partition}
+    _record(tables, partition, run, decision.counts, extra)
+    return outs
+
+
+def on_trajectory(tables: AggregatorTables, data: bytes, partition: int, now_ms: int,
+                  settings: StreamsSettings) -> list[Out]:
+    """Offers one trajectory to its group; returns the group or drop metric if it closes now.
+    Raises aggregation.InvalidTrajectory for a member that cannot belong to its group."""
+    trajectory = codec().decode(data, TRAJECTORY)
+    gid = trajectory["group_id"]
+    added = aggregation.add_member(tables.groups.get(gid), without_arrays(trajectory), now_ms)
+    if added.outcome != "added":
+        _record(tables, partition, trajectory["run"], added.counts)
+        return []
+    tables.members[member_key(gid, trajectory["member"])] = data
+    state = {**added.state, "partition": partition}
+    learner_version = _partition_state(tables, partition)["versions"].get(state["run"], 0)
+    decision = aggregation.decide(state, now_ms, learner_version, settings)
+    # "added" is not counted: one more changelog write per trajectory for a figure that the
+    # metrics job already has (trajectories per task)
+    if decision.action == "wait":
+        tables.groups[gid] = state
+        return []
+    return _close(tables, state, decision, partition, learner_version, now_ms)
+
+
+def on_weights(tables: AggregatorTables, data: bytes, partition: int) -> None:
+    """Keeps the learner's latest version per run (staleness is checked against it)."""
+    version = codec().decode(data, WEIGHTS)
+    part = _partition_state(tables, partition)
+    if version["version"] > part["versions"].get(version["run"], 0):
+        tables.partitions[f"p{partition}"] = {**part, "versions": {**part["versions"], version["run"]: version["version"]}}
+
+
+def on_tick(tables: AggregatorTables, partition: int, now_ms: int, settings: StreamsSettings) -> list[Out]:
+    """Sweeps this partition's groups: closes the due ones, deletes expired tombstones."""
+    mine = {gid: s for gid, s in list(tables.groups.items()) if s.get("partition") == partition}
+    for gid in aggregation.expired_tombstones(mine, now_ms, settings):
+        del tables.groups[gid]
+    versions = _partition_state(tables, partition)["versions"]
+    outs: list[Out] = []
+    for gid, state in mine.items():
+        if state["closed"] is not None:
+            continue
+        learner_version = versions.get(state["run"], 0)
+        decision = aggregation.decide(state, now_ms, learner_version, settings)
+        if decision.action != "wait":
+            outs += _close(tables, state, decision, partition, learner_version, now_ms)
+    return outs
+
+
+def register(w: Wiring) -> None:
+    """Declares the aggregator's intake agents, tables, sweep timer and agent on the app."""
+    parts = w.worker.partitions
+    agg_in = w.internal_topic("aggregator", parts)
+    tables = AggregatorTables(
+        groups=tagged_table(w.app, "agg-groups", parts, w.topic_config),
+        members=raw_table(w.app, "agg-members", parts, w.topic_config),
+        partitions=tagged_table(w.app, "agg-partition", parts, w.topic_config),
+    )
+    w.tables["aggregator"] = tables
+
+    @w.app.agent(w.raw_topic(topics.TRAJECTORIES), name="aggregator-intake")
+    async def trajectories_intake(stream):  # type: ignore[no-untyped-def]
+        async for event in stream.events():
+            async def forward(event=event) -> None:
+                trajectory = decode_from(topics.TRAJECTORIES, event.value)
+                await agg_in.send(key=trajectory["group_id"].encode(), value=event.value)
+            await w.guarded(event, "aggregator-intake", forward)
+
+    @w.app.agent(w.raw_topic(topics.WEIGHTS), name="aggregator-weights-intake")
+    async def weights_intake(stream):  # type: ignore[no-untyped-def]
+        async for event in stream.events():
+            async def forward(event=event) -> None:
+                version = decode_from(topics.WEIGHTS, event.value)
+                await w.broadcast(agg_in, parts, version["run"].encode(), event.value)
+            await w.guarded(event, "aggregator-weights-intake", forward)
+
+    @w.app.timer(w.worker.sweep_interval_s, name="aggregator-sweep")
+    async def sweep() -> None:
+        await w.broadcast(agg_in, parts, None, TICK)
+
+    @w.app.agent(agg_in, name="aggregator")
+    async def aggregator(stream):  # type: ignore[no-untyped-def]
+        async for event in stream.events():
+            async def handle(event=event) -> None:
+                p = event.message.partition
+                if event.value == TICK:
+                    await w.send(on_tick(tables, p, w.clock(), w.settings))
+                elif codec().event_type_of(event.value) == WEIGHTS:
+                    on_weights(tables, event.value, p)
+                else:
+                    await w.send(on_trajectory(tables, event.value, p, w.clock(), w.settings))
+            await w.guarded(event, "aggregator", handle)

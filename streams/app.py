@@ -1,0 +1,181 @@
+"""The Faust App factory and the wiring every agent module shares.
+
+No App exists at import time: `create_app(kafka, settings, worker)` builds one from settings, and
+each agent module (router, aggregator, batcher, metrics) declares its topics, tables and agents
+on it through `Wiring`. Delivery rules (DESIGN.md "Delivery guarantees"): at-least-once, no
+exactly_once, every agent at concurrency 1; Faust flushes the producer before it commits source
+offsets, so whatever an agent sent for an event is durable before the event counts as consumed.
+
+Topology. Each job reads the DESIGN topics through a thin *intake* agent that decodes every event
+with our codec (undecodable -> `dlq` with the reason) and forwards the original bytes into an
+internal topic of the app, keyed for the job's table (this is the job's `group_by`):
+
+    tasks.requested --intake(key group_id)--> <app>-router-in      --router-->     tasks
+    engines, weights --broadcast to every partition--^
+    trajectories    --intake(key group_id)--> <app>-aggregator-in  --aggregator--> groups, metrics
+    weights, sweep ticks --broadcast to every partition--^
+    groups          --intake(key run)-------> <app>-batcher-in (1 partition) --batcher--> batches
+    weights         --------------------------------^
+    steps, trajectories --metrics--> table --timer--> metrics (and JSON at /rollstream/metrics/)
+
+Broadcasting the small control events (heartbeats, weight versions, timer ticks) into every
+partition puts them in order with the data they govern, lets the per-partition agents change
+their tables while processing them (Faust allows table writes only inside stream iteration) and
+makes a replay see them in the same order.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import faust
+from faust.types import TopicT
+from pydantic import BaseModel, ConfigDict, Field
+
+from schemas import topics
+from schemas.bus import dead_letter
+from schemas.settings import KafkaSettings
+from streams.serde import RAW, encode_for
+from streams.settings import StreamsSettings
+
+log = logging.getLogger("rollstream.streams")
+
+ROUTER, AGGREGATOR, BATCHER, METRICS = "router", "aggregator", "batcher", "metrics"
+COMPONENTS: tuple[str, ...] = (ROUTER, AGGREGATOR, BATCHER, METRICS)
+
+
+class WorkerSettings(BaseModel):
+    """How one streams worker process runs (rollstream's own knobs; the paper has none)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    app_id: str = "rollstream-streams"
+    """Faust app id: names the consumer group, internal topics and changelogs (one per deployment)."""
+    datadir: Path = Path(".run/streams")
+    """Faust's local data directory."""
+    partitions: int = Field(8, ge=1)
+    """Partitions of the internal router/aggregator topics and their tables (the DESIGN topics have 8)."""
+    source_partitions: int = Field(8, ge=1)
+    """Partitions of the DESIGN topics steps and trajectories (infra/topics.yaml), which the metrics table mirrors."""
+    sweep_interval_s: float = Field(5.0, gt=0)
+    """How often the aggregator sweeps for timed-out and stale groups."""
+    metrics_interval_s: float = Field(10.0, gt=0)
+    """How often per-task metrics are published to `metrics`."""
+    web_enabled: bool = True
+    """Serve the metrics as JSON (Faust web views)."""
+    web_port: int = Field(6066, ge=1, le=65535)
+    """Port of Faust's web server."""
+    session_timeout_s: float = Field(10.0, gt=0)
+    """Broker session timeout: a killed worker's partitions move after this long."""
+    standby_replicas: int = Field(1, ge=0)
+    """Faust standby replicas per table: a standby worker keeps a warm copy and takes over."""
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+Out = tuple[str, bytes | None, bytes]
+"""One event to send: (topic name, key, encoded value)."""
+
+
+@dataclass
+class Wiring:
+    """What the agent modules share: the app, the settings, the outgoing topics and helpers."""
+
+    app: faust.App
+    kafka: KafkaSettings
+    settings: StreamsSettings
+    worker: WorkerSettings
+    clock: Callable[[], int]
+    outgoing: dict[str, TopicT]
+    tables: dict[str, Any]
+    """Each job's tables by job name, for the metrics job to read (only their owner writes)."""
+
+    def raw_topic(self, name: str, *, internal: bool = False, partitions: int | None = None) -> TopicT:
+        """A topic carrying raw bytes (decoding happens per event, in the agents)."""
+        return self.app.topic(name, key_type=bytes, value_type=bytes, key_serializer=RAW,
+                              value_serializer=RAW, internal=internal, partitions=partitions,
+                              config=self.topic_config if internal else None)
+
+    def internal_topic(self, job: str, partitions: int) -> TopicT:
+        return self.raw_topic(f"{self.worker.app_id}-{job}-in", internal=True, partitions=partitions)
+
+    @property
+    def topic_config(self) -> dict[str, str]:
+        """Config of the topics the app creates (internal topics, changelogs): they carry whole
+        groups, so they take the DESIGN topics' raised message size, not the broker's 1 MB default."""
+        return {"max.message.bytes": str(self.kafka.message_max_bytes)}
+
+    async def send(self, outs: Iterable[Out]) -> None:
+        for topic, key, value in outs:
+            await self.out(topic).send(key=key, value=value)
+
+    def out(self, name: str) -> TopicT:
+        if name not in self.outgoing:
+            self.outgoing[name] = self.raw_topic(name)
+        return self.outgoing[name]
+
+    async def broadcast(self, topic: TopicT, partitions: int, key: bytes | None, value: bytes) -> None:
+        """Sends one control event into every partition of an internal topic."""
+        for p in range(partitions):
+            await topic.send(key=key, value=value, partition=p)
+
+    def dead_letter(self, event: Any, error: Exception, consumer: str) -> Out:
+        """The dlq event for a message that failed; the reason names the error."""
+        msg = event.message
+        log.warning("%s: %s[%s]@%s to dlq: %s", consumer, msg.topic, msg.partition, msg.offset, error)
+        value = dead_letter(topic=msg.topic, partition=msg.partition, offset=msg.offset, key=msg.key,
+                            value=msg.value, error=error, consumer=f"{self.worker.app_id}/{consumer}")
+        return topics.DLQ, msg.key, encode_for(topics.DLQ, value)
+
+    async def guarded(self, event: Any, consumer: str, handle: Callable[[], Awaitable[None]]) -> None:
+        """Runs one event's work; any failure sends the event to dlq with the reason, because
+        Faust acks an event whose agent raised and never retries it."""
+        try:
+            await handle()
+        except Exception as error:  # noqa: BLE001 - every failure is routed, none is lost
+            if not isinstance(error, ValueError):
+                log.exception("%s: unexpected failure", consumer)
+            await self.send([self.dead_letter(event, error, consumer)])
+
+
+def create_app(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSettings = WorkerSettings(),
+               components: Iterable[str] = COMPONENTS, *, clock: Callable[[], int] = now_ms) -> faust.App:
+    """A Faust App running the chosen jobs (all four by default) with these settings."""
+    chosen = list(components)
+    unknown = sorted(set(chosen) - set(COMPONENTS))
+    if unknown:
+        raise ValueError(f"unknown streams components {unknown}; known: {', '.join(COMPONENTS)}")
+    app = faust.App(
+        worker.app_id,
+        broker=kafka.faust_broker,
+        datadir=str(worker.datadir),
+        store="memory://",
+        web_enabled=worker.web_enabled,
+        web_port=worker.web_port,
+        producer_acks=-1,
+        producer_compression_type=kafka.compression,
+        producer_max_request_size=kafka.message_max_bytes,
+        consumer_max_fetch_size=kafka.message_max_bytes,
+        topic_partitions=worker.partitions,
+        topic_disable_leader=True,
+        table_standby_replicas=worker.standby_replicas,
+        broker_session_timeout=worker.session_timeout_s,
+        broker_heartbeat_interval=1,
+    )
+    wiring = Wiring(app, kafka, settings, worker, clock, {}, {})
+    # Imported here: the agent modules only declare things on an app handed to them.
+    from streams import aggregator_agent, batcher_agent, metrics_agent, router_agent
+
+    registrars = {ROUTER: router_agent.register, AGGREGATOR: aggregator_agent.register,
+                  BATCHER: batcher_agent.register, METRICS: metrics_agent.register}
+    for name in COMPONENTS:
+        if name in chosen:
+            registrars[name](wiring)
+    return app

@@ -1,0 +1,75 @@
+"""Serialization at the Faust edge: raw-bytes topics and a bytes-safe codec for table values.
+
+Every topic the streams app reads or writes carries bytes: our Avro single-object encoding
+(schemas/codec.py) is applied inside the agents, per event, so an undecodable event is caught
+there and routed to `dlq` with its reason instead of failing in Faust's deserializer (which
+would ack and drop it). Raw bytes also let an agent forward an event without re-encoding it.
+
+Table values are plain dicts that may hold bytes (packed token arrays, raw encoded events), which
+Faust's default JSON codec cannot carry; `TaggedJSON` writes bytes as {"$b": base64} instead.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from faust.serializers.codecs import Codec
+
+from schemas import topics
+from schemas.codec import InvalidEvent, UndecodableEvent, codec
+
+RAW = "raw"
+_BYTES_TAG = "$b"
+
+
+def _default(obj: Any) -> Any:
+    if isinstance(obj, (bytes, bytearray, memoryview)):
+        return {_BYTES_TAG: base64.b64encode(bytes(obj)).decode("ascii")}
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def _hook(obj: dict[str, Any]) -> Any:
+    if len(obj) == 1 and _BYTES_TAG in obj:
+        return base64.b64decode(obj[_BYTES_TAG])
+    return obj
+
+
+class TaggedJSON(Codec):
+    """JSON with bytes as {"$b": base64}: table values survive the changelog byte-exact."""
+
+    def _dumps(self, obj: Any) -> bytes:
+        return json.dumps(obj, default=_default, separators=(",", ":")).encode()
+
+    def _loads(self, s: bytes) -> Any:
+        return json.loads(s, object_hook=_hook)
+
+
+def tagged_table(app: Any, name: str, partitions: int, topic_config: dict[str, str]) -> Any:
+    """A Faust table of str keys whose values are dicts that may hold bytes (TaggedJSON)."""
+    table = app.Table(name, partitions=partitions, key_type=str, extra_topic_configs=topic_config)
+    # Faust derives the value codec from value_type (a Record's serializer) and takes no codec
+    # argument; the store and changelog topic read this attribute when they are first built.
+    table.value_serializer = TaggedJSON()
+    return table
+
+
+def raw_table(app: Any, name: str, partitions: int, topic_config: dict[str, str]) -> Any:
+    """A Faust table of str keys and raw bytes values (encoded events kept as received)."""
+    return app.Table(name, partitions=partitions, key_type=str, value_type=bytes, extra_topic_configs=topic_config)
+
+
+def decode_from(topic: str, data: bytes | None) -> dict[str, Any]:
+    """Decodes an event read from one of the DESIGN topics as that topic's event type."""
+    return codec().decode(data, topics.EVENT_OF_TOPIC[topic])
+
+
+def encode_for(topic: str, value: dict[str, Any]) -> bytes:
+    """Encodes a value as the event type of a DESIGN topic (InvalidEvent when it does not fit)."""
+    return codec().encode(topics.EVENT_OF_TOPIC[topic], value)
+
+
+DECODE_ERRORS = (UndecodableEvent, InvalidEvent)

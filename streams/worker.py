@@ -1,0 +1,56 @@
+"""Runs one streams worker process: the App from settings, started through mode's Worker.
+
+Faust's click CLI is never used (pyproject.toml: it pins an incompatible click); the Worker runs
+the app until SIGTERM/SIGINT and exits the process. Start more processes with the same app_id to
+share the partitions; standby replicas take over a dead worker's tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from confluent_kafka import Consumer, TopicPartition
+from faust.worker import Worker
+
+from schemas import topics
+from schemas.settings import KafkaSettings
+from streams.app import COMPONENTS, WorkerSettings, create_app
+from streams.settings import StreamsSettings
+
+# Data topics a new deployment may skip the history of; weights and engines are always read from
+# the start, because the learner version and the engine registry are state, not a stream of work.
+SKIPPABLE: tuple[str, ...] = (topics.TASKS_REQUESTED, topics.STEPS, topics.TRAJECTORIES, topics.GROUPS)
+
+
+def start_at_end(kafka: KafkaSettings, app_id: str, topic_names: Iterable[str] = SKIPPABLE) -> bool:
+    """For an app id that has never committed, commits the current end of each data topic, so its
+    first worker starts with what is produced from now on instead of the topics' whole history.
+    Returns False (and changes nothing) when the group already has committed offsets."""
+    consumer = Consumer(kafka.as_confluent(**{"group.id": app_id, "enable.auto.commit": False}))
+    try:
+        parts = []
+        for name in topic_names:
+            meta = consumer.list_topics(name, timeout=10).topics[name]
+            parts += [TopicPartition(name, p) for p in meta.partitions]
+        if any(tp.offset >= 0 for tp in consumer.committed(parts, timeout=10)):
+            return False
+        ends = [TopicPartition(tp.topic, tp.partition, consumer.get_watermark_offsets(tp, timeout=10)[1])
+                for tp in parts]
+        consumer.commit(offsets=ends, asynchronous=False)
+        return True
+    finally:
+        consumer.close()
+
+
+def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSettings,
+               components: Iterable[str] = COMPONENTS, loglevel: str = "WARNING", *, from_now: bool = False) -> None:
+    """Blocks running the worker; never returns normally (mode's Worker exits the process).
+    from_now: a brand-new app id skips the data topics' history (start_at_end)."""
+    if from_now:
+        start_at_end(kafka, worker.app_id)
+    app = create_app(kafka, settings, worker, components)
+    # aiokafka logs every request at DEBUG and its loggers are left enabled: building those
+    # records cost about a tenth of the worker's CPU in profiles
+    logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(loglevel.upper())))
+    Worker(app, loglevel=loglevel).execute_from_commandline()
