@@ -9,8 +9,9 @@ source "$(dirname "$0")/env.sh"
 cd "$ROLLSTREAM_ROOT"
 
 # kcat: inspect the broker by hand; docker-compose: validate docker-compose.yml (Debian 12 ships
-# Compose v1.29 only, the v2 plugin is not packaged there); bubblewrap: OS-task sandboxes.
-SYSTEM_PACKAGES=(kcat docker-compose bubblewrap curl)
+# Compose v1.29 only, the v2 plugin is not packaged there); bubblewrap and debootstrap: OS-task
+# sandboxes and their root filesystem (infra/sandbox/; docker.io comes with infra/sandbox/dockerd.sh).
+SYSTEM_PACKAGES=(kcat docker-compose bubblewrap debootstrap curl)
 
 setup_system() {
   local missing=() p

@@ -14,6 +14,7 @@ from pipeline import (
     bench_bus,
     bench_envs,
     bench_learner,
+    bench_rollout,
     bench_streams,
     dispatch_cmd,
     engine_cmd,
@@ -50,6 +51,7 @@ app.command("env-worker")(env_worker_cmd.env_worker)
 app.add_typer(streams_cmd.app, name="streams")
 app.command("dispatch")(dispatch_cmd.dispatch)
 bench_app.command("streams")(bench_streams.bench_streams)
+bench_app.command("rollout")(bench_rollout.bench_rollout)
 
 
 def _not_built(name: str, issue: int) -> None:

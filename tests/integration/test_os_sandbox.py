@@ -1,0 +1,147 @@
+"""Hostile commands and concurrency in the OS sandboxes, on both backends, through the env API."""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import socket
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+import pytest
+
+from env_workers.envs.base import EnvSettings, Status, assistant_call
+from env_workers.envs.os_env import OsEnvironment, make
+from env_workers.sandbox import SandboxSettings
+from env_workers.sandbox.docker_backend import LABEL
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DOCKER_HOST = f"unix://{REPO_ROOT / '.run' / 'dockerd' / 'docker.sock'}"
+LIMITS = {"command_timeout_s": 3.0, "disk_bytes": 64 * 1024 * 1024, "max_processes": 64}
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="session")
+def dockerd() -> Iterator[str]:
+    """A private Docker engine (infra/sandbox/dockerd.sh installs docker.io if missing)."""
+    script = REPO_ROOT / "infra" / "sandbox" / "dockerd.sh"
+    was_running = subprocess.run([script, "status"], capture_output=True).returncode == 0
+    subprocess.run([script, "start"], check=True)
+    yield DOCKER_HOST
+    if not was_running:
+        subprocess.run([script, "stop"], check=True)
+
+
+@pytest.fixture(params=["bwrap", "docker"])
+def settings(request: pytest.FixtureRequest) -> SandboxSettings:
+    if request.param == "docker":
+        return SandboxSettings(backend="docker", docker_host=request.getfixturevalue("dockerd"), **LIMITS)
+    return SandboxSettings(backend="bwrap", **LIMITS)
+
+
+def _sample() -> dict:
+    return {"id": "hostile", "description": "say ok", "image": "default", "init": [], "start": None,
+            "match": {"answer": "ok", "strip": True}, "check": None, "example": None, "labels": []}
+
+
+def _leftovers(settings: SandboxSettings) -> dict[str, int]:
+    if settings.backend == "docker":
+        client = docker.DockerClient(base_url=settings.docker_host)
+        containers = client.containers.list(all=True, filters={"label": LABEL})
+        client.close()
+        return {"containers": len(containers)}
+    processes = subprocess.run(["ps", "-u", str(settings.uid_base), "-o", "pid="], capture_output=True, text=True)
+    mounts = Path("/proc/mounts").read_text().count("rollstream-os-")
+    return {"processes": len(processes.stdout.split()), "mounts": mounts,
+            "temp_dirs": len(glob.glob("/tmp/rollstream-os-*"))}
+
+
+async def _episode(env: OsEnvironment, commands: list[str]) -> tuple[list[str], Status]:
+    """Runs the commands, then answers "ok"; returns the tool outputs and the final status."""
+    session = await env.start(_sample())
+    outputs = []
+    try:
+        for command in commands:
+            observation = await env.observation(session, assistant_call("bash_action", {"script": command}))
+            if observation.finish:  # the sandbox died under the command: a task_error, cleaned up
+                return outputs, observation.status
+            outputs.append(observation.messages[0]["content"])
+        final = await env.observation(session, assistant_call("answer_action", {"answer": "ok"}))
+        return outputs, final.status
+    finally:
+        await env.end(session)
+
+
+def _run(settings: SandboxSettings, commands: list[str]) -> tuple[list[str], Status]:
+    return asyncio.run(_episode(make(EnvSettings(), settings), commands))
+
+
+def test_sandbox_cannot_reach_a_port_open_on_host_loopback(settings: SandboxSettings) -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        server.setblocking(False)
+        port = server.getsockname()[1]
+        [output], status = _run(settings, [f"curl -s -m 2 http://127.0.0.1:{port}/; echo exit=$?"])
+        with pytest.raises(BlockingIOError):
+            server.accept()
+    assert "exit=0" not in output and status == Status.COMPLETED
+
+
+def test_sandbox_neither_reads_nor_writes_host_files(settings: SandboxSettings, tmp_path: Path) -> None:
+    secret = Path("/tmp") / f"rollstream-secret-{uuid.uuid4().hex}"
+    secret.write_text("s3cret-value")
+    planted = Path("/tmp") / f"rollstream-planted-{uuid.uuid4().hex}"
+    try:
+        outputs, status = _run(settings, [f"cat {secret}; cat /etc/hostname", f"echo pwned > {planted}; ls /work"])
+        assert "s3cret-value" not in outputs[0]
+        assert not planted.exists() and status == Status.COMPLETED
+    finally:
+        secret.unlink()
+
+
+def test_fork_bomb_is_contained_and_cleaned_up(settings: SandboxSettings) -> None:
+    outputs, status = _run(settings, [":(){ :|:& };:", "echo alive"])
+    assert status == Status.COMPLETED
+    assert subprocess.run(["true"]).returncode == 0
+    assert all(count == 0 for count in _leftovers(settings).values())
+
+
+def test_filling_the_disk_hits_the_sandbox_limit(settings: SandboxSettings) -> None:
+    before = os.statvfs("/").f_bavail
+    [output], status = _run(settings, ["dd if=/dev/zero of=/tmp/fill bs=1M count=200 2>&1 | grep -o 'No space left\\|File too large'"])
+    assert "No space left" in output or "File too large" in output
+    assert status == Status.COMPLETED
+    assert before - os.statvfs("/").f_bavail < 50 * 1024 * 1024 // os.statvfs("/").f_frsize
+
+
+def test_endless_sleep_is_killed_at_the_command_timeout(settings: SandboxSettings) -> None:
+    outputs, status = _run(settings, ["sleep infinity", "echo still-here"])
+    assert "was killed" in outputs[0] and "still-here" in outputs[1] and status == Status.COMPLETED
+
+
+def test_kill_all_and_rm_rf_root_leave_the_host_intact(settings: SandboxSettings) -> None:
+    outputs, status = _run(settings, ["kill -9 -1", "echo back", "rm -rf --no-preserve-root / 2>/dev/null; echo done"])
+    # bwrap: `kill -9 -1` spares its caller, the shell, and the namespace's init. Docker: it also
+    # kills the container's main process, so the container stops and the session is a task_error.
+    assert (status == Status.COMPLETED and "back" in outputs[1]) or status == Status.TASK_ERROR
+    assert status == Status.COMPLETED or settings.backend == "docker"
+    assert Path("/usr/bin/bash").exists() and (REPO_ROOT / "pyproject.toml").exists()
+    assert all(count == 0 for count in _leftovers(settings).values())
+
+
+def test_32_concurrent_sessions_leave_nothing_behind(settings: SandboxSettings) -> None:
+    async def many() -> list[tuple[list[str], Status]]:
+        env = make(EnvSettings(), settings)
+        return await asyncio.gather(*(_episode(env, [f"echo session-{i}"]) for i in range(32)))
+
+    results = asyncio.run(many())
+    assert [outputs[0].strip() for outputs, _ in results] == [f"session-{i}" for i in range(32)]
+    assert {status for _, status in results} == {Status.COMPLETED}
+    assert all(count == 0 for count in _leftovers(settings).values()), json.dumps(_leftovers(settings))
