@@ -1,0 +1,47 @@
+"""Which engine takes a turn: planned pool, fallback to current, back-off after failures."""
+
+from __future__ import annotations
+
+from env_workers.engines import EngineState, choose_engine, turn_seed
+
+NOW, TIMEOUT = 100_000, 10_000
+
+
+def engine(engine_id: str, pool: str, **kw) -> EngineState:
+    return EngineState(engine_id, pool, f"http://{engine_id}", "m", **{"seen_ms": NOW, **kw})
+
+
+def test_planned_pool_is_used_when_it_has_a_healthy_engine():
+    chosen = choose_engine([engine("c0", "current"), engine("s0", "stale")], "stale", NOW, TIMEOUT)
+    assert chosen is not None and chosen.engine_id == "s0"
+
+
+def test_stale_turn_falls_back_to_current_when_stale_engines_are_unhealthy_or_silent():
+    engines = [engine("c0", "current"), engine("s0", "stale", healthy=False),
+               engine("s1", "stale", seen_ms=NOW - TIMEOUT - 1)]
+    chosen = choose_engine(engines, "stale", NOW, TIMEOUT)
+    assert chosen is not None and chosen.pool == "current"
+
+
+def test_least_loaded_engine_of_the_pool_is_chosen():
+    engines = [engine("c0", "current", in_flight=3), engine("c1", "current", in_flight=1)]
+    assert choose_engine(engines, "current", NOW, TIMEOUT).engine_id == "c1"
+
+
+def test_engine_backing_off_is_used_only_when_nothing_else_is_alive():
+    failed = engine("c0", "current", avoid_until_ms=NOW + 1)
+    assert choose_engine([failed, engine("c1", "current", in_flight=9)], "current", NOW, TIMEOUT).engine_id == "c1"
+    assert choose_engine([failed], "current", NOW, TIMEOUT).engine_id == "c0"
+
+
+def test_no_engine_alive_gives_none():
+    assert choose_engine([engine("c0", "current", healthy=False)], "current", NOW, TIMEOUT) is None
+
+
+def test_static_engines_never_go_stale():
+    assert choose_engine([engine("c0", "current", seen_ms=0, static=True)], "current", NOW, TIMEOUT) is not None
+
+
+def test_turn_seed_is_stable_per_trajectory_and_turn():
+    assert turn_seed("t1", 100) == turn_seed("t1", 100) != turn_seed("t1", 101)
+    assert 0 <= turn_seed("t2", 5) < 2**31
