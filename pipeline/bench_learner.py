@@ -24,19 +24,24 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 import typer
 from rich.console import Console
 from rich.table import Table
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from learner.manifest import encode_version
+from learner.broadcast import receive_buckets, send_buckets
+from learner.manifest import encode_version, specs_of
 from learner.microbatch import BatchItem, make_micro_batches
 from learner.publish import prune_versions, stage_version
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.config import load_config
+from pipeline.engine.launch import free_port
 from pipeline.model_init import PolicyModelSettings, build_config, build_tokenizer
 from schemas import objectstore, topics
+from schemas.weight_layout import plan_buckets
 
 MB = 1024 * 1024
 
@@ -112,6 +117,36 @@ def random_tensors(model_config: Qwen2Config) -> dict[str, torch.Tensor]:
     return {name: torch.randn(t.shape, generator=g) * 0.02 for name, t in model.state_dict().items()}
 
 
+def _broadcast_receiver(port: int, specs: list, bucket_size_bytes: int) -> None:
+    """Rank 1 of the broadcast measurement: receives every bucket, as an engine worker does."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=1, world_size=2)
+    dist.barrier()  # matches the sender's: collectives must pair up in order
+    for _ in receive_buckets(plan_buckets(specs, bucket_size_bytes), src=0, device=torch.device("cpu")):
+        pass
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def broadcast_seconds(tensors: dict[str, torch.Tensor], bucket_size_bytes: int) -> float:
+    """Seconds to broadcast `tensors` in buckets to one receiving process over Gloo (the fast
+    path's collective, without vLLM's load into the model)."""
+    port = free_port()
+    specs = specs_of(tensors)
+    ctx = mp.get_context("spawn")
+    receiver = ctx.Process(target=_broadcast_receiver, args=(port, specs, bucket_size_bytes))
+    receiver.start()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=2)
+    try:
+        dist.barrier()  # both ranks up: time the transfer only
+        started = time.perf_counter()
+        send_buckets(tensors, plan_buckets(specs, bucket_size_bytes), src=0, device=torch.device("cpu"))
+        dist.barrier()  # the receiver has every bucket
+        return time.perf_counter() - started
+    finally:
+        dist.destroy_process_group()
+        receiver.join(60)
+
+
 def publish_times(cfg, label: str, model_config: Qwen2Config, settings: LearnerSettings) -> dict:
     tensors = random_tensors(model_config)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
@@ -135,8 +170,10 @@ def publish_times(cfg, label: str, model_config: Qwen2Config, settings: LearnerS
     stage_version(mc, run, tensors, version=0, step=0, config=model_config.to_dict(), max_shard_bytes=settings.max_shard_bytes)
     publish_s = time.perf_counter() - t
     prune_versions(mc, run, keep=set())
+    broadcast_s = broadcast_seconds(tensors, settings.bucket_size_bytes)
     return {"model": label, "parameters": sum(t.numel() for t in tensors.values()), "mb": nbytes / MB,
-            "publish_s": publish_s, "publish_mb_per_s": nbytes / MB / publish_s, "memory_copy_s": copy_s,
+            "publish_s": publish_s, "publish_mb_per_s": nbytes / MB / publish_s,
+            "broadcast_s": broadcast_s, "broadcast_mb_per_s": nbytes / MB / broadcast_s, "memory_copy_s": copy_s,
             "file_write_s": file_s, "ratio_to_file_write": file_s / publish_s}
 
 
@@ -147,8 +184,9 @@ def bench_learner(
     config: Path | None = typer.Option(None, "--config", help="YAML configuration file."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
-    """Measures learner tokens/s against a bare torch loop, and weight publishing to MinIO against
-    memory-copy and file-write baselines of the same bytes.
+    """Measures learner tokens/s against a bare torch loop, and weight publishing (to MinIO, and by
+    bucketed Gloo broadcast to a receiving process) against memory-copy and file-write baselines
+    of the same bytes.
 
     Example: rollstream bench learner --json
     """
@@ -178,6 +216,8 @@ def bench_learner(
         table.add_row(f"publish {p['model']} ({p['mb']:.0f} MB) to MinIO", f"{p['publish_s']:.2f} s",
                       f"file write {p['file_write_s']:.2f} s, memory copy {p['memory_copy_s']:.3f} s",
                       f"{p['ratio_to_file_write']:.3f}")
+        table.add_row(f"broadcast {p['model']} ({p['mb']:.0f} MB) over Gloo", f"{p['broadcast_s']:.2f} s",
+                      f"memory copy {p['memory_copy_s']:.3f} s", f"{p['memory_copy_s'] / p['broadcast_s']:.3f}")
     Console().print(table)
 
 
