@@ -51,6 +51,10 @@ log = logging.getLogger(__name__)
 
 Partition = tuple[str, int]
 
+# Other runs' tasks passed over per loop turn: large enough that a history of tens of thousands of
+# foreign tasks costs a second, small enough that the loop still serves rollouts and callbacks.
+_PASS_OVER_BATCH = 500
+
 
 class Watermarks:
     """Per-partition contiguous commit watermark. Pure: offsets in, commit positions out.
@@ -192,24 +196,37 @@ class EnvWorker:
         self._commit_ready()
 
     def _take_task(self) -> bool:
-        """Starts one task (from the backlog first, else the consumer); True when one started."""
+        """Starts a task (from the backlog first, else the consumer); True when one started or was passed over.
+
+        Other runs' tasks are passed over in one batch of up to `_PASS_OVER_BATCH` per loop turn, without
+        a rollout: a new run's group reads the shared topic from its beginning, and one loop turn (one
+        synchronous commit) per foreign task made a long history take minutes before the run's own tasks.
+        """
         capacity = self._running() < self.settings.max_concurrency
-        started = False
+        took = False
         if capacity and self.backlog:
             self._start(self.backlog.pop(0))
-            started, capacity = True, self._running() < self.settings.max_concurrency
+            took, capacity = True, self._running() < self.settings.max_concurrency
         # Polled even when full: it serves rebalance callbacks and keeps the member in the group.
-        event = self.consumer.poll(0)
-        if event is not None:
+        for _ in range(_PASS_OVER_BATCH):
+            event = self.consumer.poll(0)
+            if event is None:
+                break
+            took = True
             self.stats.received += 1
-            self.watermarks.track((event.topic, event.partition), event.offset)
+            partition = (event.topic, event.partition)
+            self.watermarks.track(partition, event.offset)
+            if event.value["request"]["run"] != self.run_id:  # not ours to roll out, nothing to wait for
+                self.stats.skipped += 1
+                self.watermarks.done(partition, event.offset)
+                continue
             if capacity:
                 self._start(event)
-                started = True
             else:  # fetched before the pause took effect
                 self.backlog.append(event)
+            break
         self._set_paused(self._running() + len(self.backlog) >= self.settings.max_concurrency)
-        return started
+        return took
 
     async def _drain(self) -> None:
         """SIGTERM: no new tasks; in-flight rollouts get `drain_timeout_s` to finish and be acknowledged."""
@@ -245,10 +262,6 @@ class EnvWorker:
     async def _rollout(self, event: ConsumedEvent) -> None:
         task = event.value
         request = task["request"]
-        if request["run"] != self.run_id:  # another run's task: not ours to roll out, nothing to wait for
-            self.stats.skipped += 1
-            self.watermarks.done((event.topic, event.partition), event.offset)
-            return
         try:
             sample = registry.sample(request["task"], request["split"], request["sample_index"], self.settings.env)
             env = self._env(request["task"])
@@ -333,10 +346,13 @@ class EnvWorker:
 
     def _on_assign(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         log.info("%s: assigned %s", self.worker_id, [p.partition for p in partitions])
-        if self.paused and partitions:
-            # Assigned after the pause: librdkafka applies the assignment once this callback returns.
+        if partitions:
+            # Assigned here (librdkafka would do it once this callback returns) to set the pause state
+            # explicitly both ways: a partition paused while it was ours before keeps librdkafka's
+            # pause flag through a revoke and a re-assignment, and `_set_paused` only resumes what is
+            # assigned, so a partition that came back after a rebalance was never read again.
             consumer.incremental_assign(partitions)
-            consumer.pause(partitions)
+            (consumer.pause if self.paused else consumer.resume)(partitions)
 
     def _on_revoke(self, consumer: Any, partitions: list[TopicPartition]) -> None:
         revoked = {(p.topic, p.partition) for p in partitions}
