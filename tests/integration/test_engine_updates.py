@@ -261,13 +261,24 @@ def test_broadcast_update_lets_requests_in_flight_finish_on_the_old_weights(engi
     results: dict[str, Any] = {}
 
     def run(name: str, fn: Callable[[], Any]) -> threading.Thread:
-        thread = threading.Thread(target=lambda: results.__setitem__(name, fn()))
+        def target() -> None:
+            try:
+                results[name] = fn()
+            except Exception as e:  # surfaced by the assertions below, not lost in the thread
+                results[name] = e
+
+        thread = threading.Thread(target=target)
         thread.start()
         return thread
 
+    def long_in_flight() -> bool:
+        if "long" in results:  # it ended before anyone saw it in flight: say how
+            raise AssertionError(f"the long request ended before the update could start: {results['long']!r}")
+        return _state(engine)["in_flight"] >= 1
+
     long_tokens = 1900  # max_model_len 2048: long enough to still be decoding when the update starts
     long = run("long", lambda: _engine_greedy(engine, PROMPT, long_tokens))
-    _wait_for(lambda: _state(engine)["in_flight"] >= 1, 30, "the long request to be in flight")
+    _wait_for(long_in_flight, 120, "the long request to be in flight")
     receive = run("receive", lambda: control.receive(version, specs_of(weights), BUCKET_BYTES, src=0))
     _wait_for(lambda: _state(engine)["updating"], 30, "the update to start")
     late = run("late", lambda: _engine_greedy(engine, PROMPT, 24))  # arrives during the update
