@@ -123,11 +123,16 @@ class EngineClient:
         self.allowed_token_ids = list(allowed_token_ids) if allowed_token_ids is not None else None
         self._http = http or httpx.AsyncClient()
 
-    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float) -> Generation:
-        """Samples up to `max_tokens` ids after `prompt_ids`; raises EngineError on any failure."""
+    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float,
+                       *, seed: int | None = None) -> Generation:
+        """Samples up to `max_tokens` ids after `prompt_ids` (with vLLM's per-request `seed` when
+        given, for reproducible re-rollouts on engines that support it); raises EngineError on
+        any failure."""
         request = completion_request(
             self.model, prompt_ids, max_tokens, temperature, self.stop_token_ids, self.allowed_token_ids
         )
+        if seed is not None:
+            request["seed"] = seed
         try:
             response = await self._http.post(f"{self.base_url}/v1/completions", json=request, timeout=self.timeout_s)
         except httpx.TimeoutException as error:

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from env_workers.engine_client import WEIGHT_VERSION_HEADER, EngineClient, EngineError, Generation, completion_request, parse_completion
+from env_workers.engine_client import EngineClient, EngineError, Generation
 
 CURRENT = "current"
 
@@ -66,41 +66,6 @@ def turn_seed(trajectory_id: str, prompt_length: int) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-class SeedingEngineClient(EngineClient):
-    """EngineClient whose requests may carry vLLM's per-request `seed`."""
-
-    async def generate_seeded(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float,
-                              seed: int | None) -> Generation:
-        """Like `generate`, with `seed` in the request body when given; raises EngineError on any failure."""
-        request = completion_request(self.model, prompt_ids, max_tokens, temperature, self.stop_token_ids,
-                                     self.allowed_token_ids)
-        if seed is not None:
-            request["seed"] = seed
-        try:
-            response = await self._http.post(f"{self.base_url}/v1/completions", json=request, timeout=self.timeout_s)
-        except httpx.TimeoutException as error:
-            raise EngineError(f"{self.engine_id}: timed out after {self.timeout_s} s", engine_id=self.engine_id) from error
-        except httpx.HTTPError as error:
-            raise EngineError(f"{self.engine_id}: unreachable: {error!r}", engine_id=self.engine_id) from error
-        if response.status_code != 200:
-            raise EngineError(f"{self.engine_id}: HTTP {response.status_code}: {response.text[:500]}",
-                              engine_id=self.engine_id,
-                              retryable=response.status_code >= 500 or response.status_code == 429)
-        try:
-            body = response.json()
-        except ValueError as error:
-            raise EngineError(f"{self.engine_id}: response is not JSON", engine_id=self.engine_id) from error
-        ids, logprobs, finish_reason = parse_completion(body, self.engine_id)
-        if len(ids) > max_tokens:
-            raise EngineError(f"{self.engine_id}: {len(ids)} tokens for max_tokens {max_tokens}", engine_id=self.engine_id)
-        header = response.headers.get(WEIGHT_VERSION_HEADER)
-        version = int(header) if header is not None and header.lstrip("-").isdigit() else self.weight_version
-        return Generation(ids, logprobs, finish_reason, self.engine_id, version)
-
-    async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float) -> Generation:
-        return await self.generate_seeded(prompt_ids, max_tokens, temperature, None)
-
-
 class EnginePool:
     """The engines one worker may use, their clients, and the per-turn pick with fallback."""
 
@@ -113,7 +78,7 @@ class EnginePool:
         self.timeout_s = timeout_s
         self._http = http or httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.states: dict[str, EngineState] = {}
-        self.clients: dict[str, SeedingEngineClient] = {}
+        self.clients: dict[str, EngineClient] = {}
 
     def add_static(self, urls: Mapping[str, Sequence[str]], model: str) -> None:
         """Engines from configuration: ids `<pool>-<index>`, always considered alive."""
@@ -134,14 +99,14 @@ class EnginePool:
     def _upsert(self, state: EngineState) -> None:
         client = self.clients.get(state.engine_id)
         if client is None or client.base_url != state.url.rstrip("/") or client.model != state.model:
-            client = SeedingEngineClient(engine_id=state.engine_id, base_url=state.url, model=state.model,
+            client = EngineClient(engine_id=state.engine_id, base_url=state.url, model=state.model,
                                          stop_token_ids=self.stop_token_ids, timeout_s=self.timeout_s, http=self._http)
             self.clients[state.engine_id] = client
         # A request's version comes from the engine's response header when it sends one; else from here.
         client.weight_version = state.loaded_version
         self.states[state.engine_id] = state
 
-    def pick(self, planned: str) -> tuple[str, SeedingEngineClient]:
+    def pick(self, planned: str) -> tuple[str, EngineClient]:
         """(pool used, client) for a turn planned on `planned`; EngineError (retryable) when no engine is usable."""
         state = choose_engine(self.states.values(), planned, self.clock_ms(), self.heartbeat_timeout_ms)
         if state is None:
@@ -175,7 +140,7 @@ class EnginePool:
 class _TrajectoryEngine:
     """One engine as one trajectory sees it (the agent loop's Engine protocol)."""
 
-    def __init__(self, pool: EnginePool, client: SeedingEngineClient, trajectory_id: str | None) -> None:
+    def __init__(self, pool: EnginePool, client: EngineClient, trajectory_id: str | None) -> None:
         self.pool, self.client, self.trajectory_id = pool, client, trajectory_id
         self.engine_id = client.engine_id
 
@@ -183,7 +148,7 @@ class _TrajectoryEngine:
         seed = turn_seed(self.trajectory_id, len(prompt_ids)) if self.trajectory_id is not None else None
         self.pool.started(self.engine_id)
         try:
-            generation = await self.client.generate_seeded(prompt_ids, max_tokens, temperature, seed)
+            generation = await self.client.generate(prompt_ids, max_tokens, temperature, seed=seed)
         except EngineError as error:
             # Only an engine-side failure (unreachable, 5xx) is the engine's fault; a 4xx is the request's.
             self.pool.finished(self.engine_id, failed=error.retryable)
