@@ -3,12 +3,14 @@
 SHELL := /bin/bash
 VENV := .venv
 PYTEST_ARGS ?=
+RUN_CONFIG ?= configs/cpu.yaml
+RUN_ARGS ?=
 
 .PHONY: run test setup infra-up infra-down infra-status bench docker-context clean
 
-## make run: set up, start the infrastructure, run the main job, stop what was started
+## make run: set up, start the infrastructure, train one run (configs/cpu.yaml) and write its report, stop what was started
 run: setup
-	infra/with-infra.sh $(VENV)/bin/rollstream smoke
+	infra/with-infra.sh $(VENV)/bin/rollstream up --config $(RUN_CONFIG) $(RUN_ARGS)
 
 ## make test: set up, start the infrastructure, run every test, stop what was started
 test: setup

@@ -148,6 +148,15 @@ def behaviour_lag(batch: Mapping[str, Any], version: int) -> int | None:
     return version - min(versions) if versions else None
 
 
+BATCH_SKIPPED_METRIC = "learner/batch_skipped"
+
+
+def skipped_batch_event(run: str, step: int, batch_id: str, at_ms: int) -> dict[str, Any]:
+    """The `metrics` event of a batch the learner consumed without a step (nothing to train on)."""
+    return {"run": run, "name": BATCH_SKIPPED_METRIC, "value": 1.0, "step": step, "labels": {"batch_id": batch_id},
+            "source": "learner", "at_ms": at_ms}
+
+
 def metric_events(run: str, step: int, values: Mapping[str, float], at_ms: int) -> list[dict[str, Any]]:
     """One `metrics` event per finite value."""
     return [{"run": run, "name": name, "value": float(v), "step": step, "labels": {}, "source": "learner",
@@ -272,6 +281,11 @@ class LearnerLoop:
                 if not any(int(mask.sum()) for _, mask, _, _ in items):
                     log.warning("skipping batch %s (index %d): no action tokens to train on",
                                 batch["batch_id"], batch["index"])
+                    # Said out loud: no version answers this batch, and the dispatcher must still
+                    # get its groups' credit back or the run stalls.
+                    self.producer.send(topics.METRICS, skipped_batch_event(self.run, state.step, batch["batch_id"],
+                                                                           self.wall_ms()), key=BATCH_SKIPPED_METRIC)
+                    self.producer.flush()
                     continue
                 lag = behaviour_lag(batch, state.version)
                 metrics = self.step_fn(items)

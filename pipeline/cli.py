@@ -20,11 +20,15 @@ from pipeline import (
     engine_cmd,
     env_cmd,
     env_worker_cmd,
+    eval_cmd,
     infra_cmd,
     learner_cmd,
     model_cmd,
+    replay_cmd,
+    report_cmd,
     smoke,
     streams_cmd,
+    up_cmd,
 )
 
 app = typer.Typer(
@@ -52,23 +56,10 @@ app.add_typer(streams_cmd.app, name="streams")
 app.command("dispatch")(dispatch_cmd.dispatch)
 bench_app.command("streams")(bench_streams.bench_streams)
 bench_app.command("rollout")(bench_rollout.bench_rollout)
-
-
-def _not_built(name: str, issue: int) -> None:
-    """Registers a subcommand that a later issue fills in: it fails loudly instead of pretending."""
-
-    def command() -> None:
-        typer.echo(f"rollstream {name}: not built yet (issue #{issue})", err=True)
-        raise typer.Exit(code=2)
-
-    command.__doc__ = f"Not built yet (issue #{issue})."
-    app.command(name, context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(command)
-
-
-for _name, _issue in [
-    ("up", 7), ("eval", 7), ("replay", 7), ("report", 7),
-]:
-    _not_built(_name, _issue)
+app.command("up")(up_cmd.up)
+app.command("eval")(eval_cmd.eval_checkpoint)
+app.command("report")(report_cmd.report)
+app.add_typer(replay_cmd.app, name="replay")
 
 
 def main() -> None:

@@ -15,11 +15,78 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from env_workers.settings import AgentLoopSettings
+from learner.settings import LearnerSettings
+from pipeline.model_init import PolicyModelSettings
+from pipeline.sft import SftSettings
 from schemas.settings import KafkaSettings, ObjectStoreSettings
+from streams.settings import StreamsSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class PolicySettings(BaseModel):
+    """The policy a run starts from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: Path = Path(".run/models/default")
+    """Hugging Face checkpoint directory (ours or e.g. Qwen2.5); when it holds no checkpoint, `rollstream up`
+    makes the default policy there (`model init` + `model sft`; the paper starts from Qwen2.5-Instruct)."""
+    init: PolicyModelSettings = PolicyModelSettings()
+    """Architecture of the default policy when it has to be made."""
+    sft: SftSettings = SftSettings()
+    """Supervised warm-start of the default policy when it has to be made."""
+
+
+class EngineFleetSettings(BaseModel):
+    """The inference engines one run starts (`rollstream engine` processes)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    current: int = Field(3, ge=1)
+    """Engines of the current pool (AgentRL: 75% of the inference capacity)."""
+    stale: int = Field(1, ge=0)
+    """Engines of the stale pool (AgentRL: 25%); 0 turns cross-policy sampling off."""
+    max_model_len: int = Field(8192, ge=16)
+    """Longest sequence an engine serves (AgentRL max_total_len 8192)."""
+    start_timeout_s: float = Field(600.0, gt=0)
+    """How long an engine may take to serve (30-80 s on 2 CPU cores)."""
+
+
+class EnvWorkerFleetSettings(BaseModel):
+    """The env workers one run starts (one consumer group)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    count: int = Field(2, ge=1)
+    """Env-worker processes; adding one scales the rollout fleet."""
+    concurrency: int = Field(1024, ge=1)
+    """Agent loops at once per worker (AgentRL: concurrency 2048 in all)."""
+
+
+class MixSettings(BaseModel):
+    """What the dispatcher feeds: the training mix and the validation sets."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    families: tuple[str, ...] = ("os", "db", "kg", "alfworld", "webshop")
+    """Training families, interleaved round-robin, as FAMILY or FAMILY:SPLIT (AgentRL: its five tasks)."""
+    val_families: tuple[str, ...] = ("os", "db", "kg", "alfworld", "webshop")
+    """Validation families, FAMILY or FAMILY:SPLIT; a family without a split uses its held-out split."""
+    val_samples: int | None = Field(None, ge=1)
+    """Validation samples per family (the first ones of its split); None = the whole split."""
+    max_in_flight_groups: int | None = Field(None, ge=1)
+    """Groups dispatched and not yet trained; None = 2 x batch size (AgentRL's queue)."""
+    val_interval: int = Field(25, ge=1)
+    """Validate every this many learner steps (AgentRL: 25)."""
+    val_group_size: int = Field(4, ge=1)
+    """Rollouts per validation sample (AgentRL: n = 4)."""
+    val_before_train: bool = True
+    """Validate the starting policy at version 0: the 'before' of the report."""
 
 
 class RollstreamConfig(BaseSettings):
@@ -38,6 +105,38 @@ class RollstreamConfig(BaseSettings):
     """Event bus connection."""
     object_store: ObjectStoreSettings = ObjectStoreSettings()
     """Object store connection (weights, checkpoints, large payloads)."""
+    policy: PolicySettings = PolicySettings()
+    """The starting policy."""
+    engines: EngineFleetSettings = EngineFleetSettings()
+    """Inference engines."""
+    env_workers: EnvWorkerFleetSettings = EnvWorkerFleetSettings()
+    """Rollout workers."""
+    agent_loop: AgentLoopSettings = AgentLoopSettings()
+    """Per-trajectory limits and sampling (max_turns 20, max_total_len 8192, temperature 0.8, ...)."""
+    mix: MixSettings = MixSettings()
+    """Training and validation tasks."""
+    streams: StreamsSettings = StreamsSettings()
+    """Grouping, routing and batching (n 8, batch 256, stale ratio 0.25, stale_step 25, first batch 1.7x, ...)."""
+    learner: LearnerSettings = LearnerSettings()
+    """PPO + KL (lr 1e-6, clip 0.2, dual clip 3, KL 1e-4, ...)."""
+    max_steps: int = Field(100, ge=1)
+    """Learner steps a `rollstream up` run trains for before its final validation and report."""
+    runs_dir: Path = Path("runs")
+    """Where each run's folder (logs, report, figures) is written."""
+
+    @model_validator(mode="after")
+    def _components_agree(self) -> RollstreamConfig:
+        # Settings that two components must share are set once; these are the ones that are not.
+        if self.streams.max_turns != self.agent_loop.max_turns:
+            raise ValueError(f"streams.max_turns ({self.streams.max_turns}) must equal agent_loop.max_turns "
+                             f"({self.agent_loop.max_turns}): the router plans one pool per turn")
+        if self.learner.temperature != self.agent_loop.temperature:
+            raise ValueError(f"learner.temperature ({self.learner.temperature}) must equal agent_loop.temperature "
+                             f"({self.agent_loop.temperature}): the loss recomputes the sampling log-probs")
+        if self.mix.val_families and self.max_steps % self.mix.val_interval:
+            raise ValueError(f"max_steps ({self.max_steps}) must be a multiple of mix.val_interval "
+                             f"({self.mix.val_interval}) so the run ends with a validation round")
+        return self
 
 
 def _infra_env() -> dict[str, Any]:

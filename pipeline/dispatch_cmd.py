@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -16,6 +17,8 @@ from pipeline.config import load_config
 from pipeline.dispatcher import run_dispatcher
 from pipeline.dispatcher_logic import DispatcherSettings, TaskSource
 from pipeline.env_cmd import env_settings
+from pipeline.sft import EVAL_SPLITS as HELD_OUT_SPLITS
+from pipeline.sft import TRAIN_SPLITS as TRAINING_SPLITS
 
 _D = DispatcherSettings(sources=(TaskSource(task="calc", split="train", count=1),))
 
@@ -25,15 +28,15 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(code=1)
 
 
-def parse_sources(spec: str, default_split: str) -> tuple[TaskSource, ...]:
-    """"calc,db:standard" -> one TaskSource per family (split after ':', else default_split),
-    with the split's sample count from the environment registry."""
+def parse_sources(spec: str, default_split: str | dict[str, str], limit: int | None = None) -> tuple[TaskSource, ...]:
+    """"calc,db:standard" -> one TaskSource per family (split after ':', else default_split, one
+    name or one per family), with the split's sample count from the environment registry, at most `limit`."""
     sources = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
             continue
         name, _, split = item.partition(":")
-        split = split or default_split
+        split = split or (default_split if isinstance(default_split, str) else default_split.get(name, ""))
         try:
             splits = registry.split_names(name)
             if split not in splits:
@@ -43,7 +46,7 @@ def parse_sources(spec: str, default_split: str) -> tuple[TaskSource, ...]:
             _fail(str(e))
         if count == 0:
             _fail(f"family {name!r} split {split!r} has no samples")
-        sources.append(TaskSource(task=name, split=split, count=count))
+        sources.append(TaskSource(task=name, split=split, count=min(count, limit) if limit else count))
     return tuple(sources)
 
 
@@ -51,13 +54,14 @@ def dispatch(
     run: str = typer.Option(..., help="Run id stamped on every request."),
     families: str = typer.Option(..., help="Training families, interleaved in this order; FAMILY[:SPLIT]."),
     max_groups: int = typer.Option(..., min=1, help="Stop once the run holds this many training groups."),
-    split: str = typer.Option("train", help="Split of a family given without one."),
-    val_families: str = typer.Option("", help="Validation families, FAMILY[:SPLIT] (default split dev)."),
+    split: str = typer.Option("", help="Split of a family given without one (default: the family's training split)."),
+    val_families: str = typer.Option("", help="Validation families, FAMILY[:SPLIT] (default: the family's held-out split)."),
     group_size: int = typer.Option(_D.group_size, help="Rollouts per training sample, n."),
     batch_size: int = typer.Option(_D.batch_size, help="Groups per training batch (sets the default in-flight bound)."),
     max_in_flight: int | None = typer.Option(None, min=1, help="Groups in flight at most (default 2 x batch size)."),
     val_interval: int = typer.Option(_D.val_interval, help="Validate every this many learner versions."),
     val_group_size: int = typer.Option(_D.val_group_size, help="Rollouts per validation sample."),
+    val_samples: int | None = typer.Option(None, min=1, help="Validation samples per family (the first ones); default all."),
     no_val_before_train: bool = typer.Option(False, "--no-val-before-train", help="Skip validation round 0."),
     poll_s: float = typer.Option(1.0, help="How long each progress poll waits."),
     config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
@@ -73,15 +77,23 @@ def dispatch(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     try:
         settings = DispatcherSettings(
-            sources=parse_sources(families, split),
-            validation_sources=parse_sources(val_families, "dev") if val_families else (),
+            sources=parse_sources(families, split or TRAINING_SPLITS),
+            validation_sources=parse_sources(val_families, HELD_OUT_SPLITS, val_samples) if val_families else (),
             group_size=group_size, batch_size=batch_size, max_in_flight_groups=max_in_flight,
             val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train)
     except ValidationError as e:
         _fail("; ".join(err["msg"] for err in e.errors()))
     if not settings.sources:
         _fail("--families names no family")
-    summary = run_dispatcher(load_config(config).kafka, run, settings, max_groups, poll_s=poll_s)
+    stop = {"requested": False}
+
+    def request_stop(*_: object) -> None:
+        stop["requested"] = True  # finish the plan in progress (its requests flushed), then exit
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    summary = run_dispatcher(load_config(config).kafka, run, settings, max_groups, poll_s=poll_s,
+                             should_stop=lambda: stop["requested"])
     if as_json:
         typer.echo(json.dumps(summary))
     else:

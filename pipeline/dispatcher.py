@@ -22,6 +22,7 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
+from learner.process import BATCH_SKIPPED_METRIC
 from pipeline import dispatcher_logic as logic
 from schemas import topics
 from schemas.bus import EventProducer, now_ms
@@ -49,10 +50,13 @@ class Progress:
     learner_version: int = 0
     batches: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # batch_id -> (credit, group ids)
     released: set[str] = field(default_factory=set)
+    skipped_batches: set[str] = field(default_factory=set)
 
     def trained(self) -> set[str]:
-        """Groups of batches the learner has answered with a newer weight version."""
-        return {g for credit, gids in self.batches.values() if self.learner_version > credit for g in gids}
+        """Groups of batches the learner has answered with a newer weight version, or consumed
+        without a step (a batch with no action tokens)."""
+        return {g for batch_id, (credit, gids) in self.batches.items()
+                if self.learner_version > credit or batch_id in self.skipped_batches for g in gids}
 
 
 def _consumer(kafka: KafkaSettings, names: Iterable[str], *, to_end: bool) -> tuple[Consumer, dict[tuple[str, int], int]]:
@@ -126,6 +130,8 @@ class ProgressReader:
                 self.progress.learner_version = max(self.progress.learner_version, e["version"])
             elif e["name"] == DROPPED_METRIC and "group_id" in e["labels"]:
                 self.progress.released.add(e["labels"]["group_id"])
+            elif e["name"] == BATCH_SKIPPED_METRIC and "batch_id" in e["labels"]:
+                self.progress.skipped_batches.add(e["labels"]["batch_id"])
         return self.progress
 
     def close(self) -> None:

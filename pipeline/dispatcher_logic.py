@@ -198,6 +198,11 @@ def validation_round_due(learner_version: int, done_rounds: Iterable[int], setti
 def plan_validation(run: str, settings: DispatcherSettings, round_: int, policy_version: int,
                     now_ms: int) -> list[dict[str, Any]]:
     """Every sample of every validation source, n = val_group_size, validation=True, epoch = round."""
-    return [e for s in settings.validation_sources for i in range(s.count)
-            for e in requests_for(run, Slot(s.task, s.split, i, round_), settings.val_group_size,
-                                  True, policy_version, now_ms)]
+    return validation_requests(run, settings.validation_sources, settings.val_group_size, round_, policy_version, now_ms)
+
+
+def validation_requests(run: str, sources: Sequence[TaskSource], group_size: int, round_: int, policy_version: int,
+                        now_ms: int) -> list[dict[str, Any]]:
+    """The requests of one validation round over `sources` (also what `rollstream eval` sends)."""
+    return [e for s in sources for i in range(s.count)
+            for e in requests_for(run, Slot(s.task, s.split, i, round_), group_size, True, policy_version, now_ms)]

@@ -88,6 +88,8 @@ def env_worker(
     worker_id: str = typer.Option("", "--worker-id", help="Worker id stamped on trajectories (default host-pid)."),
     config_path: Path | None = typer.Option(None, "--config", help="YAML configuration file (Kafka connection)."),
     as_json: bool = typer.Option(False, "--json", help="On exit, print one JSON object with the worker's counts."),
+    settings_file: Path | None = typer.Option(None, "--settings", help="EnvWorkerSettings as JSON (what `rollstream up` "
+                                              "passes); replaces the other settings options, --engine included."),
 ) -> None:
     """Roll out tasks from `tasks` as one member of the run's env-worker consumer group, until SIGTERM.
 
@@ -100,7 +102,7 @@ def env_worker(
     except ValueError as error:
         _fail(str(error))
     try:
-        settings = EnvWorkerSettings(
+        settings = EnvWorkerSettings.model_validate_json(settings_file.read_text()) if settings_file else EnvWorkerSettings(
             max_concurrency=concurrency, engine_urls=engine_urls, seeded_sampling=seeded,
             drain_timeout_s=drain_timeout, env=env_settings(),
             agent_loop=AgentLoopSettings(max_turns=max_turns, max_total_len=max_total_len,
@@ -108,6 +110,8 @@ def env_worker(
         )
     except ValidationError as error:
         _fail(f"{error.errors()[0]['loc']}: {error.errors()[0]['msg']}")
+    except OSError as error:
+        _fail(f"--settings: {error}")
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker_id = worker_id or f"env-worker-{socket.gethostname()}-{os.getpid()}"
     try:

@@ -95,6 +95,8 @@ def learner(
     broadcast_port: int = typer.Option(29555, "--broadcast-port", help="First port of the weight-sync groups (current; stale +1)."),
     stale_step: int = typer.Option(25, "--stale-step", help="Versions between stale-pool refreshes (AgentRL: 25)."),
     config: Path | None = typer.Option(None, "--config", help="YAML configuration file."),
+    settings_file: Path | None = typer.Option(None, "--settings", help="LearnerSettings as JSON (what `rollstream up` "
+                                              "passes); the options above override single fields of it."),
     quiet: bool = typer.Option(False, "--quiet", help="No per-step progress line."),
     as_json: bool = typer.Option(False, "--json", help="At exit, one JSON object (step, version) on stdout."),
 ) -> None:
@@ -108,10 +110,13 @@ def learner(
     overrides = {k: v for k, v in {"checkpoint_interval": checkpoint_interval, "lr": lr,
                                    "max_tokens_per_micro_batch": max_tokens_per_micro_batch}.items() if v is not None}
     try:
-        settings = LearnerSettings(**overrides)
+        base = json.loads(settings_file.read_text()) if settings_file is not None else {}
+        settings = LearnerSettings(**{**base, **overrides})
         process = ProcessSettings(max_steps=max_steps, idle_exit_s=idle_exit)
     except ValidationError as e:
         _fail(f"invalid setting: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
+    except (OSError, ValueError) as e:
+        _fail(f"--settings: {e}")
     cfg = load_config(config)
 
     # torchrun's variables: the only place the process reads them.

@@ -1,6 +1,6 @@
-"""`rollstream smoke`: the main job until the training run exists (issue 7).
+"""`rollstream smoke`: the platform check.
 
-Starts nothing itself (`make run` brings the infrastructure up first); sends one example event of
+Starts nothing itself (the infrastructure must be up: `make infra-up`); sends one example event of
 every type through its real topic, reads each back through the codec, round-trips an object
 through the object store, and says plainly which parts of rollstream are not built yet.
 """
@@ -21,10 +21,7 @@ from pipeline.config import load_config
 from schemas import objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
 
-# The components exist as separate commands (engine, env-worker, streams worker, dispatch,
-# learner); what is missing is the run that starts and connects them.
 NOT_BUILT = [
-    ("one command that trains: `rollstream up`, evaluation, replay, reports", 7),
     ("load and fault benchmarks (async vs sync, scaling, crash tests)", 8),
 ]
 
@@ -86,8 +83,7 @@ def smoke(config: Path | None = typer.Option(None, "--config", help="YAML config
                           [str(r["equal"]), str(r["partition"]), str(r["offset"]), str(r["latency_ms"])]))
         console.print(table)
         console.print(f"object store round trip: {'ok' if out['object_store_round_trip'] else 'FAILED'}")
-        console.print("\n[bold]Not built yet[/bold] — `make run` will train once these land "
-                      "(the components run on their own: see `rollstream --help`):")
+        console.print("\n[bold]Not built yet[/bold]:")
         for item in out["not_built"]:
             console.print(f"  - {item['part']} (issue #{item['issue']})")
     if not out["ok"]:

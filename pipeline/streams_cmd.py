@@ -61,6 +61,9 @@ def worker(
     std: StdKind = typer.Option(_S.std, help="bessel or population."),
     from_now: bool = typer.Option(False, "--from-now", help="A new app id skips the history of the data topics."),
     loglevel: str = typer.Option("WARNING", help="Log level of the worker."),
+    run: str | None = typer.Option(None, "--run", help="Serve only this run's events (default: every run)."),
+    settings_file: Path | None = typer.Option(None, "--settings", help="StreamsSettings as JSON (what `rollstream up` "
+                                              "passes); replaces the individual settings options."),
 ) -> None:
     """Run one streams worker until SIGTERM; more workers with the same --app-id share the work.
 
@@ -72,10 +75,16 @@ def worker(
     unknown = sorted(set(chosen) - set(COMPONENTS))
     if unknown or not chosen:
         _fail(f"unknown components {unknown}; choose from {', '.join(COMPONENTS)}")
-    settings = build_settings(group_size=group_size, batch_size=batch_size, first_batch_factor=first_batch_factor,
-                              min_members=min_members, group_timeout_s=group_timeout_s, std=std)
+    if settings_file is not None:
+        try:
+            settings = StreamsSettings.model_validate_json(settings_file.read_text())
+        except (OSError, ValidationError) as e:
+            _fail(f"--settings {settings_file}: {e}")
+    else:
+        settings = build_settings(group_size=group_size, batch_size=batch_size, first_batch_factor=first_batch_factor,
+                                  min_members=min_members, group_timeout_s=group_timeout_s, std=std)
     try:
-        worker_settings = WorkerSettings(app_id=app_id, datadir=datadir, partitions=partitions, web_port=web_port,
+        worker_settings = WorkerSettings(app_id=app_id, run=run, datadir=datadir, partitions=partitions, web_port=web_port,
                                          web_enabled=not no_web, sweep_interval_s=sweep_interval_s,
                                          metrics_interval_s=metrics_interval_s)
     except ValidationError as e:

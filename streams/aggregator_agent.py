@@ -169,7 +169,8 @@ def register(w: Wiring) -> None:
         async for event in stream.events():
             async def forward(event=event) -> None:
                 trajectory = decode_from(topics.TRAJECTORIES, event.value)
-                await agg_in.send(key=trajectory["group_id"].encode(), value=event.value)
+                if w.serves(trajectory):
+                    await agg_in.send(key=trajectory["group_id"].encode(), value=event.value)
             await w.guarded(event, "aggregator-intake", forward)
 
     @w.app.agent(w.raw_topic(topics.WEIGHTS), name="aggregator-weights-intake")
@@ -177,7 +178,8 @@ def register(w: Wiring) -> None:
         async for event in stream.events():
             async def forward(event=event) -> None:
                 version = decode_from(topics.WEIGHTS, event.value)
-                await w.broadcast(agg_in, parts, version["run"].encode(), event.value)
+                if w.serves(version):
+                    await w.broadcast(agg_in, parts, version["run"].encode(), event.value)
             await w.guarded(event, "aggregator-weights-intake", forward)
 
     @w.app.timer(w.worker.sweep_interval_s, name="aggregator-sweep")

@@ -74,6 +74,8 @@ class WorkerSettings(BaseModel):
     """Broker session timeout: a killed worker's partitions move after this long."""
     standby_replicas: int = Field(1, ge=0)
     """Faust standby replicas per table: a standby worker keeps a warm copy and takes over."""
+    run: str | None = None
+    """Serve only this run's events (`rollstream up` gives each run its own app); None serves every run."""
 
 
 def now_ms() -> int:
@@ -96,6 +98,10 @@ class Wiring:
     outgoing: dict[str, TopicT]
     tables: dict[str, Any]
     """Each job's tables by job name, for the metrics job to read (only their owner writes)."""
+
+    def serves(self, event: Any) -> bool:
+        """Whether this app serves the run of a decoded event (one with a `run` field)."""
+        return self.worker.run is None or event["run"] == self.worker.run
 
     def raw_topic(self, name: str, *, internal: bool = False, partitions: int | None = None) -> TopicT:
         """A topic carrying raw bytes (decoding happens per event, in the agents)."""

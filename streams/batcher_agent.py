@@ -113,7 +113,7 @@ def register(w: Wiring) -> None:
         async for event in stream.events():
             async def forward(event=event) -> None:
                 group = decode_from(topics.GROUPS, event.value)
-                if not group["validation"]:  # validation groups are evaluated, never trained
+                if not group["validation"] and w.serves(group):  # validation groups are evaluated, never trained
                     await batcher_in.send(key=group["run"].encode(), value=event.value, partition=0)
             await w.guarded(event, "batcher-intake", forward)
 
@@ -122,7 +122,8 @@ def register(w: Wiring) -> None:
         async for event in stream.events():
             async def forward(event=event) -> None:
                 version = decode_from(topics.WEIGHTS, event.value)
-                await batcher_in.send(key=version["run"].encode(), value=event.value, partition=0)
+                if w.serves(version):
+                    await batcher_in.send(key=version["run"].encode(), value=event.value, partition=0)
             await w.guarded(event, "batcher-weights-intake", forward)
 
     @w.app.agent(batcher_in, name="batcher")

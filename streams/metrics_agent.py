@@ -136,6 +136,8 @@ def register(w: Wiring) -> None:
             async def count(event=event) -> None:
                 kind = topics.EVENT_OF_TOPIC[event.message.topic]
                 value = codec().decode(event.value, kind)
+                if not w.serves(value):
+                    return
                 key = row_key(value["run"], value["task"], event.message.partition)
                 table[key] = count_event(table.get(key), kind, value)
             await w.guarded(event, "metrics", count)

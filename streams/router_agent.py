@@ -66,7 +66,8 @@ def register(w: Wiring) -> None:
         async for event in stream.events():
             async def forward(event=event) -> None:
                 request = decode_from(topics.TASKS_REQUESTED, event.value)
-                await router_in.send(key=request["group_id"].encode(), value=event.value)
+                if w.serves(request):
+                    await router_in.send(key=request["group_id"].encode(), value=event.value)
             await w.guarded(event, "router-requests-intake", forward)
 
     @w.app.agent(w.raw_topic(topics.ENGINES), name="router-engines-intake")
@@ -82,7 +83,8 @@ def register(w: Wiring) -> None:
         async for event in stream.events():
             async def forward(event=event) -> None:
                 version = decode_from(topics.WEIGHTS, event.value)
-                await w.broadcast(router_in, parts, version["run"].encode(), event.value)
+                if w.serves(version):
+                    await w.broadcast(router_in, parts, version["run"].encode(), event.value)
             await w.guarded(event, "router-weights-intake", forward)
 
     @w.app.agent(router_in, name="router")

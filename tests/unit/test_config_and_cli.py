@@ -36,9 +36,3 @@ def test_kafka_settings_become_each_clients_own_names():
     assert cfg.kafka.as_confluent()["bootstrap.servers"] == cfg.kafka.bootstrap_servers
     assert cfg.kafka.as_kafka_python()["bootstrap_servers"] == cfg.kafka.bootstrap_servers.split(",")
     assert cfg.kafka.faust_broker.startswith("kafka://")
-
-
-def test_a_subcommand_that_is_not_built_fails_loudly():
-    result = CliRunner().invoke(app, ["replay", "trajectories"])
-    assert result.exit_code == 2
-    assert "not built yet (issue #7)" in result.output

@@ -1,0 +1,200 @@
+"""Evaluation statistics of trajectories: success, intervals, the paper's Table 3 and Table 7.
+
+Pure functions of `trajectory` events (schemas/avro/trajectory.avsc) as plain dicts; no I/O.
+Used by the run report (pipeline/report.py) and by `rollstream eval`.
+
+- Success is one rule everywhere (`is_success`): the session completed with full credit.
+- Intervals are Wilson score intervals (Wilson 1927): unlike the normal approximation they stay
+  inside [0, 1] and are not degenerate at 0/n or n/n, which small evaluation sets often hit.
+- Table 3 of AgentRL reports success as mean ± std over the n repeats of each sample; a repeat is
+  the trajectory's `member` index within its group.
+- Table 7 reports the share of each final session status.
+- Before/after compares the first and the last validation round of each task. The verdict uses the
+  conservative criterion "the two 95% Wilson intervals are disjoint"; the two-proportion z-test
+  p-value is reported beside it for readers who prefer it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from pipeline.demonstrations import FULL_CREDIT
+from schemas.ids import group_id
+
+# z of a two-sided 95% interval, the value the report states
+Z95 = 1.959964
+# Validation round r is dispatched with epoch = r (pipeline/dispatcher_logic.plan_validation), so a
+# group's round is the epoch whose group id matches; rounds are searched up to this bound.
+MAX_ROUND = 10_000
+VERDICT_CRITERION = ("improved / worse: the 95% Wilson intervals of the first and the last validation "
+                     "round are disjoint; otherwise no clear change (two-proportion z-test p-value shown beside)")
+
+Trajectory = Mapping[str, Any]
+
+
+def is_success(traj: Trajectory) -> bool:
+    """Completed with full credit: the one definition of success in rollstream's reports."""
+    return traj["status"] == "completed" and traj["env_reward"] >= FULL_CREDIT
+
+
+def dedup(trajs: Iterable[Trajectory]) -> list[Trajectory]:
+    """First occurrence of each trajectory_id: delivery is at-least-once, so a topic can hold a
+    re-rollout of the same member twice, and counting both would inflate the episode count."""
+    seen: set[str] = set()
+    out = []
+    for t in trajs:
+        if t["trajectory_id"] not in seen:
+            seen.add(t["trajectory_id"])
+            out.append(t)
+    return out
+
+
+def _z(confidence: float) -> float:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    return Z95 if confidence == 0.95 else statistics.NormalDist().inv_cdf((1.0 + confidence) / 2.0)
+
+
+def wilson_interval(successes: int, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion; (0, 1) when n is 0 (nothing is known)."""
+    if n < 0 or not 0 <= successes <= n:
+        raise ValueError(f"need 0 <= successes <= n, got {successes}/{n}")
+    if n == 0:
+        return 0.0, 1.0
+    z = _z(confidence)
+    p = successes / n
+    denominator = 1.0 + z * z / n
+    center = (p + z * z / (2 * n)) / denominator
+    half = z / denominator * math.sqrt(p * (1.0 - p) / n + z * z / (4 * n * n))
+    # clamp rounding at the ends (0/n, n/n) so the interval always contains the estimate
+    return max(0.0, min(center - half, p)), min(1.0, max(center + half, p))
+
+
+def two_proportion_p_value(s1: int, n1: int, s2: int, n2: int) -> float:
+    """Two-sided p-value of the pooled two-proportion z-test; 1.0 when it is undefined (an empty
+    side, or both sides all successes or all failures, where no difference is seen)."""
+    if n1 == 0 or n2 == 0:
+        return 1.0
+    pooled = (s1 + s2) / (n1 + n2)
+    se = math.sqrt(pooled * (1.0 - pooled) * (1.0 / n1 + 1.0 / n2))
+    if se == 0.0:
+        return 1.0
+    z = (s2 / n2 - s1 / n1) / se
+    return math.erfc(abs(z) / math.sqrt(2.0))
+
+
+def _by_task(trajs: Iterable[Trajectory]) -> dict[str, list[Trajectory]]:
+    out: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        out.setdefault(t["task"], []).append(t)
+    return dict(sorted(out.items()))
+
+
+def proportion(trajs: Sequence[Trajectory]) -> dict[str, Any]:
+    """Episodes, successes, success rate and its 95% Wilson interval."""
+    successes = sum(is_success(t) for t in trajs)
+    lo, hi = wilson_interval(successes, len(trajs))
+    return {"episodes": len(trajs), "successes": successes,
+            "rate": successes / len(trajs) if trajs else 0.0, "ci95": [lo, hi]}
+
+
+def success_by_task(trajs: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
+    """Per task: episodes, successes, success_rate, ci95 [lo, hi] and mean_reward (training reward)."""
+    out = {}
+    for task, mine in _by_task(trajs).items():
+        p = proportion(mine)
+        out[task] = {"episodes": p["episodes"], "successes": p["successes"], "success_rate": p["rate"],
+                     "ci95": p["ci95"], "mean_reward": statistics.fmean(t["reward"] for t in mine)}
+    return out
+
+
+def repeat_table(trajs: Iterable[Trajectory]) -> dict[str, dict[str, Any]]:
+    """Paper Table 3: per task, the success rate of each repeat (member index k over all samples)
+    and mean ± std over the repeats (sample std, ddof 1; 0 with a single repeat)."""
+    out = {}
+    for task, mine in _by_task(trajs).items():
+        by_member: dict[int, list[Trajectory]] = {}
+        for t in mine:
+            by_member.setdefault(t["member"], []).append(t)
+        members = sorted(by_member)
+        rates = [sum(is_success(t) for t in by_member[m]) / len(by_member[m]) for m in members]
+        out[task] = {"repeats": len(rates), "members": members, "rates": rates,
+                     "episodes": [len(by_member[m]) for m in members],
+                     "mean": statistics.fmean(rates), "std": statistics.stdev(rates) if len(rates) > 1 else 0.0}
+    return out
+
+
+def _shares(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    counts: dict[str, int] = {}
+    for t in trajs:
+        counts[t["status"]] = counts.get(t["status"], 0) + 1
+    return {status: c / len(trajs) for status, c in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))}
+
+
+def termination_shares(trajs: Iterable[Trajectory]) -> dict[str, Any]:
+    """Paper Table 7: {"tasks": {task: {"episodes", "shares": {status: share}}}, "overall": same};
+    each shares dict sums to 1 and names only statuses that occurred."""
+    trajs = list(trajs)
+    return {"tasks": {task: {"episodes": len(mine), "shares": _shares(mine)} for task, mine in _by_task(trajs).items()},
+            "overall": {"episodes": len(trajs), "shares": _shares(trajs)}}
+
+
+def validation_rounds(val_trajs: Iterable[Trajectory], known: Mapping[str, int] | None = None,
+                      max_round: int = MAX_ROUND) -> dict[str, int]:
+    """group_id -> validation round. `known` (from task_requested events: group_id -> epoch) wins;
+    otherwise the round is the epoch that reproduces the group id. Groups found by neither are
+    left out, so the caller can report them."""
+    rounds: dict[str, int] = {}
+    for t in val_trajs:
+        gid = t["group_id"]
+        if gid in rounds:
+            continue
+        if known is not None and gid in known:
+            rounds[gid] = known[gid]
+            continue
+        for epoch in range(max_round + 1):
+            if group_id(t["run"], t["task"], t["split"], t["sample_index"], epoch) == gid:
+                rounds[gid] = epoch
+                break
+    return rounds
+
+
+def verdict(before: Mapping[str, Any], after: Mapping[str, Any] | None) -> str:
+    """improved / worse when the 95% intervals are disjoint, else no clear change."""
+    if after is None:
+        return "not evaluated after training"
+    (b_lo, b_hi), (a_lo, a_hi) = before["ci95"], after["ci95"]
+    if a_lo > b_hi:
+        return "improved"
+    if a_hi < b_lo:
+        return "worse"
+    return "no clear change"
+
+
+def before_after(val_trajs: Iterable[Trajectory], rounds: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
+    """Per task, the first vs the last validation round: {"before": {round, episodes, successes,
+    rate, ci95}, "after": same or None (a single round), "intervals_disjoint", "p_value", "verdict"}.
+    `rounds` maps group_id -> round (see validation_rounds); trajectories of unmapped groups are
+    not counted."""
+    val_trajs = [t for t in val_trajs if t.get("validation", False)]
+    if rounds is None:
+        rounds = validation_rounds(val_trajs)
+    out = {}
+    for task, mine in _by_task(t for t in val_trajs if t["group_id"] in rounds).items():
+        by_round: dict[int, list[Trajectory]] = {}
+        for t in mine:
+            by_round.setdefault(rounds[t["group_id"]], []).append(t)
+        first, last = min(by_round), max(by_round)
+        before = {"round": first} | proportion(by_round[first])
+        after = {"round": last} | proportion(by_round[last]) if last != first else None
+        out[task] = {
+            "before": before, "after": after,
+            "intervals_disjoint": after is not None and verdict(before, after) != "no clear change",
+            "p_value": two_proportion_p_value(before["successes"], before["episodes"],
+                                              after["successes"], after["episodes"]) if after else None,
+            "verdict": verdict(before, after),
+        }
+    return out

@@ -1,0 +1,306 @@
+"""`rollstream up`: one training run on this machine, from the policy to the report.
+
+Starts, in order: the policy (made by `model init` + `model sft` when the configured checkpoint
+does not exist), the engines of both pools, the Faust worker, the env workers, the learner and
+the dispatcher — each a `rollstream` subprocess in its own session, with its log in
+`runs/<run>/logs/`. While they run, a follower reads the run's events from Kafka and shows the
+live picture (pipeline/run_view.py) on stderr. The run ends when the learner has taken
+`max_steps` steps and the validation round it triggers has come back (the "after" of the report);
+then everything is stopped in reverse order and the report is built from the topics alone. Ctrl-C
+or SIGTERM ends it the same way at any point, leaving no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+from rich.console import Console
+from rich.live import Live
+
+from pipeline.config import REPO_ROOT, RollstreamConfig
+from pipeline.engine.launch import EngineProcess, free_port, launch_engine
+from pipeline.env_cmd import env_settings
+from pipeline.run_view import RunView, render
+from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
+                              learner_child, rollstream, streams_app_id, streams_child)
+from schemas import topics
+from schemas.codec import UndecodableEvent, codec
+from schemas.settings import KafkaSettings
+from streams.worker import start_at_end
+
+FOLLOWED = (topics.TASKS_REQUESTED, topics.TRAJECTORIES, topics.STEPS, topics.WEIGHTS, topics.METRICS, topics.ENGINES)
+
+
+class RunFailed(RuntimeError):
+    """A process of the run ended on its own, or the run could not start."""
+
+
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM: stop the run cleanly."""
+
+
+@dataclass
+class RunningChild:
+    """A started process of the run."""
+
+    child: Child
+    process: subprocess.Popen
+    log_path: Path
+    log: IO[bytes]
+
+    @classmethod
+    def start(cls, child: Child, log_dir: Path) -> RunningChild:
+        for path, content in child.files.items():
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(content)
+        log_path = log_dir / f"{child.name}.log"
+        log = open(log_path, "ab")
+        # Its own session: Ctrl-C reaches only `up`, which stops every child in order.
+        process = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                   start_new_session=True)
+        return cls(child, process, log_path, log)
+
+    def log_tail(self, chars: int = 2500) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM to its process group, SIGKILL after timeout_s; its exit status."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+        return self.process.returncode
+
+
+class RunFollower(threading.Thread):
+    """Reads the run's events from `since_ms` on, into a RunView (guarded by `lock`)."""
+
+    def __init__(self, kafka: KafkaSettings, view: RunView, since_ms: int) -> None:
+        super().__init__(name="run-follower", daemon=True)
+        self.view, self.lock, self._halt = view, threading.Lock(), threading.Event()
+        self.undecodable = 0
+        self._consumer = Consumer(kafka.as_confluent(**{"group.id": f"rollstream-up-view.{view.run}",
+                                                        "enable.auto.commit": False}))
+        wanted = []
+        for name in FOLLOWED:
+            meta = self._consumer.list_topics(name, timeout=10).topics[name]
+            wanted += [TopicPartition(name, p, since_ms) for p in meta.partitions]
+        found = self._consumer.offsets_for_times(wanted, timeout=10)
+        # A partition with nothing newer than since_ms answers -1: start at its end.
+        self._consumer.assign([TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else -1)
+                               for tp in found])
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            for msg in self._consumer.consume(500, timeout=0.5):
+                if msg.error() is not None:
+                    if msg.error().code() != KafkaError._PARTITION_EOF:
+                        self.undecodable += 1
+                    continue
+                try:
+                    event = codec().decode(msg.value(), topics.EVENT_OF_TOPIC[msg.topic()])
+                except UndecodableEvent:
+                    self.undecodable += 1  # the consumers of the run send it to `dlq`; the view only counts it
+                    continue
+                with self.lock:
+                    self.view.apply(msg.topic(), event, int(time.time() * 1000))
+        self._consumer.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)
+
+
+def _iso(seconds: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(seconds))
+
+
+def default_run_id() -> str:
+    return time.strftime("run-%Y%m%d-%H%M%S")
+
+
+def ensure_policy(cfg: RollstreamConfig, log_dir: Path, say: Callable[[str], None]) -> Path:
+    """The configured checkpoint; made as the default policy (init, then SFT) when it does not exist."""
+    path = cfg.policy.path if cfg.policy.path.is_absolute() else REPO_ROOT / cfg.policy.path
+    if (path / "config.json").is_file():
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise RunFailed(f"{path} is neither empty nor a checkpoint (no config.json): move it or set policy.path")
+    base = path.with_name(path.name + ".init")
+    init, sft = cfg.policy.init, cfg.policy.sft
+    say(f"no policy at {path}: making the default policy (model init + model sft; several minutes, once)")
+    steps = [
+        rollstream("model", "init", "--out", str(base), "--force", "--hidden", str(init.hidden_size),
+                   "--layers", str(init.num_layers), "--heads", str(init.num_heads), "--kv-heads", str(init.num_kv_heads),
+                   "--intermediate", str(init.intermediate_size), "--seed", str(init.seed)),
+        rollstream("model", "sft", "--model", str(base), "--out", str(path), "--force",
+                   "--families", ",".join(sft.families), "--samples", str(sft.samples), "--epochs", str(sft.epochs),
+                   "--batch-size", str(sft.batch_size), "--lr", str(sft.lr), "--seed", str(sft.seed)),
+    ]
+    for argv in steps:
+        # Progress bars of these commands go straight to our stderr: nothing else is on screen yet.
+        with open(log_dir / "policy.log", "ab") as log:
+            done = subprocess.run(argv, cwd=REPO_ROOT, stdout=log)
+        if done.returncode != 0:
+            raise RunFailed(f"making the default policy failed ({' '.join(argv[2:5])}): see {log_dir / 'policy.log'}")
+    return path
+
+
+def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
+                  pools: dict[str, int], say: Callable[[str], None]) -> list[EngineProcess]:
+    engines = [launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines",
+                             engine_id=f"{run}.{pool}-{i}", extra_args=engine_args(cfg), cwd=REPO_ROOT)
+               for pool, count in pools.items() for i in range(count)]
+    try:
+        for e in engines:
+            seconds = e.wait_until_serving(cfg.engines.start_timeout_s)
+            say(f"engine {e.engine_id} ({e.pool}) serving at {e.url} after {seconds:.0f} s")
+    except RuntimeError as error:
+        for e in engines:
+            e.stop()
+        raise RunFailed(str(error)) from None
+    return engines
+
+
+def raise_interrupted(*_: object) -> None:
+    raise Interrupted
+
+
+class Stack:
+    """The processes of one run (engines apart), stopped in the reverse of their start order."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir, self.children, self.engines = log_dir, [], []  # type: ignore[var-annotated]
+
+    def start(self, child: Child) -> RunningChild:
+        running = RunningChild.start(child, self.log_dir)
+        self.children.append(running)
+        return running
+
+    def failed(self, expected_exits: Iterable[str] = ()) -> RunningChild | None:
+        """The first child that has exited, other than those allowed to."""
+        return next((c for c in self.children if c.process.poll() is not None and c.child.name not in expected_exits),
+                    None)
+
+    def stop(self, say: Callable[[str], None]) -> dict[str, int | None]:
+        codes = {}
+        for c in reversed(self.children):
+            # env workers drain their in-flight rollouts; the rest stop within seconds
+            codes[c.child.name] = c.stop(timeout_s=150 if c.child.name.startswith("env-worker") else 60)
+        for e in self.engines:
+            e.stop()
+            codes[e.engine_id] = e.process.returncode
+        say("stopped: " + ", ".join(f"{n} ({'ok' if rc in (0, -15) else rc})" for n, rc in codes.items()))
+        return codes
+
+
+def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = True,
+           final_eval_timeout_s: float = 900.0) -> dict[str, Any]:
+    """Runs one training run to its end (or Ctrl-C); returns its summary. The report is built by the caller."""
+    run_dir = (cfg.runs_dir if cfg.runs_dir.is_absolute() else REPO_ROOT / cfg.runs_dir) / run
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+
+    def say(line: str) -> None:
+        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}", soft_wrap=True)
+
+    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.time()
+    stack = Stack(log_dir)
+    follower: RunFollower | None = None
+    outcome = "finished"
+    final_round = final_validation_round(cfg)
+    try:
+        model_dir = ensure_policy(cfg, log_dir, say)
+        say(f"run {run}: policy {model_dir}; logs in {log_dir}")
+        stack.engines = start_engines(cfg, run, run_dir, model_dir,
+                                      {"current": cfg.engines.current, "stale": cfg.engines.stale}, say)
+        urls = {pool: [e.url for e in stack.engines if e.pool == pool] for pool in ("current", "stale")}
+        urls = {pool: u for pool, u in urls.items() if u}
+        # Before anything is dispatched: the run's Faust app starts at the topics' current end.
+        start_at_end(cfg.kafka, streams_app_id(run))
+        view = RunView(run)
+        follower = RunFollower(cfg.kafka, view, since_ms=int(started * 1000) - 5000)
+        follower.start()
+        stack.start(streams_child(cfg, run, run_dir, free_port()))
+        for child in env_worker_children(cfg, run, run_dir, model_dir, urls, env_settings()):
+            stack.start(child)
+        stack.start(learner_child(cfg, run, run_dir, model_dir, urls, free_port()))
+        stack.start(dispatcher_child(cfg, run))
+        say(f"started: {', '.join(c.child.name for c in stack.children)}; training for {cfg.max_steps} steps")
+        outcome = _watch(cfg, run, stack, follower, final_round, console, live, final_eval_timeout_s, say)
+    except Interrupted:
+        outcome = "interrupted"
+        say("interrupted: stopping every process of the run")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        codes = stack.stop(say)
+        if follower is not None:
+            follower.stop()
+    with follower.lock if follower else _nullcontext():
+        snapshot = follower.view.snapshot(int(time.time() * 1000)) if follower else {}
+    return {"run": run, "outcome": outcome, "started_at": _iso(started), "duration_s": round(time.time() - started, 1),
+            "run_dir": str(run_dir),
+            "exit_codes": codes, "final_validation_round": final_round, "progress": snapshot}
+
+
+class _nullcontext:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *_: object) -> None:
+        return None
+
+
+def _watch(cfg: RollstreamConfig, run: str, stack: Stack, follower: RunFollower, final_round: int | None,
+           console: Console, live: bool, final_eval_timeout_s: float, say: Callable[[str], None]) -> str:
+    """Shows progress until the learner is done and the final validation is back; raises RunFailed
+    when a process dies on its own."""
+    learner_done_at: float | None = None
+    title = f"rollstream up — run {run}"
+    with Live(console=console, refresh_per_second=1, transient=False) if live else _nullcontext() as screen:
+        while True:
+            time.sleep(1.0)
+            with follower.lock:
+                snap = follower.view.snapshot(int(time.time() * 1000))
+                final_done = final_round is None or follower.view.validation_complete(final_round)
+            if screen is not None:
+                screen.update(render(snap, title))
+            learner = next(c for c in stack.children if c.child.name == "learner")
+            if learner_done_at is None and learner.process.poll() is not None:
+                if learner.process.returncode != 0:
+                    raise RunFailed(f"learner exited with {learner.process.returncode}:\n{learner.log_tail()}")
+                learner_done_at = time.monotonic()
+                say(f"learner finished {cfg.max_steps} steps; waiting for validation round {final_round}")
+            dead = stack.failed(expected_exits=("learner",))
+            if dead is not None:
+                raise RunFailed(f"{dead.child.name} exited with {dead.process.returncode}:\n{dead.log_tail()}")
+            for e in stack.engines:
+                if e.process.poll() is not None:
+                    raise RunFailed(f"engine {e.engine_id} exited with {e.process.returncode}:\n{e.log_tail()}")
+            if learner_done_at is not None:
+                if final_done:
+                    return "finished"
+                if time.monotonic() - learner_done_at > final_eval_timeout_s:
+                    say(f"final validation round {final_round} incomplete after {final_eval_timeout_s:.0f} s")
+                    return "final validation incomplete"
+
+
+def summary_json(summary: dict[str, Any]) -> str:
+    return json.dumps(summary, indent=2, default=str)

@@ -1,0 +1,109 @@
+"""`rollstream up` on the real stack, scaled down: dispatcher → router → env workers → engines →
+aggregator → batcher → learner → weight publish → engines on the new version; then the report,
+`replay verify`, and nothing left running. And Ctrl-C in the middle of a run stops it cleanly.
+
+The policy is a freshly initialized small model: these tests are about the pipeline, not about
+learning (the default run's report is where learning is measured).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.config import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+MAX_STEPS, STALE_STEP = 4, 3
+
+
+def _config(tmp: Path, model: Path, **overrides: object) -> Path:
+    cfg = {
+        "policy": {"path": str(model)},
+        "engines": {"current": 1, "stale": 1, "max_model_len": 2048},
+        "env_workers": {"count": 2, "concurrency": 8},
+        "agent_loop": {"max_turns": 2, "max_total_len": 2048, "max_new_tokens": 32},
+        "streams": {"group_size": 2, "batch_size": 2, "max_turns": 2, "stale_step": STALE_STEP,
+                    "first_batch_factor": 1.0, "group_timeout_s": 300},
+        "mix": {"families": ["calc", "db", "os"], "val_families": ["calc", "db"], "val_samples": 2,
+                "val_interval": 2, "val_group_size": 2},
+        "learner": {"lr": 1.0e-4, "checkpoint_interval": 2},
+        "max_steps": MAX_STEPS,
+        "runs_dir": str(tmp / "runs"),
+        **overrides,
+    }
+    path = tmp / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("policy") / "model"
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "model", "init", "--out", str(out), "--hidden", "128",
+                    "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "256"],
+                   cwd=REPO_ROOT, check=True, capture_output=True)
+    return out
+
+
+def _left_running(run: str) -> list[str]:
+    found = subprocess.run(["pgrep", "-af", run], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in found if "pgrep" not in line]
+
+
+def test_up_trains_updates_both_pools_reports_and_replays_clean(infra, model, tmp_path):
+    run = f"e2e-{uuid.uuid4().hex[:8]}"
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "up", "--config", str(_config(tmp_path, model)),
+                           "--run", run, "--json", "--no-live"], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summary = json.loads(done.stdout)
+    assert summary["outcome"] == "finished"
+    progress = summary["progress"]
+    assert progress["learner_version"] == MAX_STEPS and progress["learner_step"] == MAX_STEPS
+    # Two speeds: the current pool holds the last version, the stale pool the last multiple of stale_step.
+    pools = {e["pool"]: e["version"] for e in progress["engines"].values()}
+    assert pools == {"current": MAX_STEPS, "stale": MAX_STEPS // STALE_STEP * STALE_STEP}
+    assert set(progress["tasks"]) == {"calc", "db", "os"}
+    assert all(v["done"] == v["requested"] > 0 for v in progress["validation"].values())
+    assert all(code in (0, -signal.SIGTERM) for code in summary["exit_codes"].values()), summary["exit_codes"]
+    assert _left_running(run) == []
+
+    report = json.loads((Path(summary["run_dir"]) / "summary.json").read_text())
+    assert report["learner_steps"] == MAX_STEPS
+    assert {"calc", "db"} <= set(report["tasks"])
+    assert all((Path(summary["run_dir"]) / f).stat().st_size > 0 for f in report["figures"])
+
+    verify = subprocess.run([sys.executable, "-m", "pipeline.cli", "replay", "verify", "--run", run, "--json",
+                             "--from", summary["started_at"]],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout[-4000:] + verify.stderr[-2000:]
+
+
+def test_ctrl_c_stops_every_process_of_the_run(infra, model, tmp_path):
+    run = f"e2e-int-{uuid.uuid4().hex[:8]}"
+    config = _config(tmp_path, model, engines={"current": 1, "stale": 0, "max_model_len": 2048}, max_steps=40,
+                     mix={"families": ["calc"], "val_families": [], "val_interval": 1})
+    proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--config", str(config), "--run", run,
+                             "--no-live", "--no-report"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    learner_log = tmp_path / "runs" / run / "logs" / "learner.log"
+    deadline = time.monotonic() + 600
+    while not (learner_log.exists() and "step 1 " in learner_log.read_text(errors="replace")):
+        assert proc.poll() is None, proc.stderr.read()[-4000:]
+        assert time.monotonic() < deadline, "the learner never took a step"
+        time.sleep(2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130, err[-4000:]
+    assert "interrupted" in err
+    assert _left_running(run) == []

@@ -1,0 +1,145 @@
+"""Evaluation statistics (pipeline/evaluation.py) on hand-made trajectories with hand-computed answers."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from pipeline.evaluation import (
+    before_after,
+    dedup,
+    is_success,
+    repeat_table,
+    success_by_task,
+    termination_shares,
+    two_proportion_p_value,
+    validation_rounds,
+    wilson_interval,
+)
+from schemas.ids import group_id, trajectory_id
+
+RUN = "eval-run"
+
+
+def traj(task: str, success: bool, *, member: int = 0, sample: int = 0, epoch: int = 0, split: str = "dev",
+         status: str | None = None, reward: float | None = None, validation: bool = True) -> dict[str, Any]:
+    """The fields of a trajectory event that evaluation reads (schemas/avro/trajectory.avsc names)."""
+    gid = group_id(RUN, task, split, sample, epoch)
+    status = status or "completed"
+    env_reward = 1.0 if success else 0.0
+    return {"trajectory_id": trajectory_id(RUN, gid, member), "run": RUN, "group_id": gid, "member": member,
+            "task": task, "split": split, "sample_index": sample, "validation": validation, "status": status,
+            "env_reward": env_reward, "reward": env_reward if reward is None else reward}
+
+
+def round_of(task: str, epoch: int, successes: int, episodes: int, samples: int = 5) -> list[dict[str, Any]]:
+    """`episodes` validation trajectories of one round (samples x members), the first `successes` successful."""
+    members = episodes // samples
+    return [traj(task, k < successes, member=k % members, sample=k // members, epoch=epoch) for k in range(episodes)]
+
+
+@pytest.mark.parametrize(("successes", "n", "expected"), [
+    (0, 10, (0.0, 0.2775)), (5, 10, (0.2366, 0.7634)), (10, 10, (0.7225, 1.0)), (3, 8, (0.1368, 0.6943)),
+])
+def test_wilson_interval_matches_published_values(successes: int, n: int, expected: tuple[float, float]) -> None:
+    lo, hi = wilson_interval(successes, n)
+    assert (round(lo, 4), round(hi, 4)) == expected
+
+
+def test_wilson_interval_widens_with_confidence_and_knows_nothing_without_episodes() -> None:
+    lo95, hi95 = wilson_interval(5, 10)
+    lo99, hi99 = wilson_interval(5, 10, confidence=0.99)
+    assert lo99 < lo95 and hi99 > hi95
+    assert wilson_interval(0, 0) == (0.0, 1.0)
+    with pytest.raises(ValueError):
+        wilson_interval(11, 10)
+
+
+def test_success_needs_completed_status_and_full_credit() -> None:
+    assert is_success(traj("calc", True))
+    assert not is_success(traj("calc", False))
+    assert not is_success({**traj("calc", True), "status": "task_limit_reached"})
+    assert not is_success({**traj("calc", True), "env_reward": 0.99})
+
+
+def test_duplicate_trajectory_is_counted_once() -> None:
+    t = traj("calc", True)
+    assert dedup([t, dict(t), traj("calc", False, member=1)]) == [t, traj("calc", False, member=1)]
+
+
+def test_success_by_task_counts_episodes_rate_interval_and_mean_reward() -> None:
+    trajs = [traj("calc", True), traj("calc", False, member=1, reward=-0.2, status="task_limit_reached"),
+             traj("db", False)]
+    table = success_by_task(trajs)
+    assert table["calc"]["episodes"] == 2 and table["calc"]["successes"] == 1
+    assert table["calc"]["success_rate"] == 0.5
+    assert table["calc"]["mean_reward"] == pytest.approx(0.4)
+    assert table["calc"]["ci95"] == list(wilson_interval(1, 2))
+    assert table["db"]["success_rate"] == 0.0
+
+
+def test_repeat_table_is_mean_and_std_over_member_repeats() -> None:
+    # 4 samples x 3 repeats; repeat 0 succeeds on 4/4, repeat 1 on 2/4, repeat 2 on 0/4
+    wins = {0: 4, 1: 2, 2: 0}
+    trajs = [traj("os", sample < wins[m], member=m, sample=sample) for sample in range(4) for m in range(3)]
+    row = repeat_table(trajs)["os"]
+    assert row["rates"] == [1.0, 0.5, 0.0]
+    assert row["episodes"] == [4, 4, 4]
+    assert row["mean"] == pytest.approx(0.5)
+    assert row["std"] == pytest.approx(0.5)  # sample std of (1, 0.5, 0)
+
+
+def test_termination_shares_sum_to_one_per_task_and_overall() -> None:
+    trajs = [traj("calc", True), traj("calc", False, member=1, status="task_limit_reached"),
+             traj("calc", False, member=2, status="agent_invalid_action"), traj("calc", True, member=3),
+             traj("db", False, status="task_error")]
+    shares = termination_shares(trajs)
+    assert shares["tasks"]["calc"]["shares"] == {"completed": 0.5, "agent_invalid_action": 0.25,
+                                                 "task_limit_reached": 0.25}
+    assert shares["tasks"]["db"]["shares"] == {"task_error": 1.0}
+    assert shares["overall"]["episodes"] == 5 and shares["overall"]["shares"]["completed"] == pytest.approx(0.4)
+    for row in (*shares["tasks"].values(), shares["overall"]):
+        assert math.fsum(row["shares"].values()) == pytest.approx(1.0)
+
+
+def test_validation_round_is_recovered_from_the_group_id_when_not_given() -> None:
+    trajs = round_of("calc", 0, 1, 4, samples=2) + round_of("calc", 3, 1, 4, samples=2)
+    rounds = validation_rounds(trajs)
+    assert sorted(set(rounds.values())) == [0, 3]
+    given = validation_rounds(trajs, {trajs[0]["group_id"]: 7})
+    assert given[trajs[0]["group_id"]] == 7
+    foreign = {**trajs[0], "group_id": "not-a-rollstream-group"}
+    assert validation_rounds([foreign], max_round=50) == {}
+
+
+def test_disjoint_intervals_mean_improved_overlapping_mean_no_clear_change() -> None:
+    trajs = (round_of("calc", 0, 2, 20) + round_of("calc", 1, 10, 20) + round_of("calc", 2, 18, 20)
+             + round_of("db", 0, 5, 20) + round_of("db", 2, 6, 20)
+             + round_of("kg", 0, 19, 20) + round_of("kg", 2, 3, 20))
+    table = before_after(trajs)
+    calc = table["calc"]
+    assert calc["before"] == {"round": 0, "episodes": 20, "successes": 2, "rate": 0.1,
+                              "ci95": list(wilson_interval(2, 20))}
+    assert calc["after"]["round"] == 2 and calc["after"]["successes"] == 18  # the middle round is skipped
+    assert calc["verdict"] == "improved" and calc["intervals_disjoint"]
+    assert calc["p_value"] < 1e-5
+    assert table["db"]["verdict"] == "no clear change" and not table["db"]["intervals_disjoint"]
+    assert table["db"]["p_value"] == pytest.approx(0.7233, abs=1e-4)
+    assert table["kg"]["verdict"] == "worse"
+
+
+def test_a_single_validation_round_has_no_after_and_no_verdict() -> None:
+    row = before_after(round_of("calc", 0, 3, 8, samples=2))["calc"]
+    assert row["after"] is None and row["p_value"] is None
+    assert row["verdict"] == "not evaluated after training"
+
+
+def test_training_trajectories_never_enter_before_after() -> None:
+    assert before_after([traj("calc", True, validation=False)]) == {}
+
+
+def test_two_proportion_test_is_undefined_without_any_variation() -> None:
+    assert two_proportion_p_value(10, 10, 10, 10) == 1.0
+    assert two_proportion_p_value(0, 0, 3, 10) == 1.0

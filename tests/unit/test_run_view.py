@@ -1,0 +1,71 @@
+"""The live run picture folds events in any order, duplicates included."""
+
+from __future__ import annotations
+
+from pipeline.run_view import RunView, render
+from schemas import samples, topics
+from rich.console import Console
+
+
+def _requested(group: str, member: int, validation: bool = False, epoch: int = 0) -> dict:
+    return {**samples.example("task_requested"), "run": "r", "group_id": group, "member": member,
+            "validation": validation, "epoch": epoch}
+
+
+def _trajectory(group: str, member: int, *, task: str = "calc", reward: float = 1.0, validation: bool = False,
+                finished_ms: int = 1_000) -> dict:
+    return {**samples.example("trajectory"), "run": "r", "trajectory_id": f"{group}-{member}", "group_id": group,
+            "member": member, "task": task, "status": "completed", "reward": reward, "env_reward": reward,
+            "validation": validation, "finished_at_ms": finished_ms, "num_tokens": 100}
+
+
+def test_duplicate_trajectories_count_once_and_other_runs_are_ignored():
+    view = RunView("r")
+    view.apply(topics.TASKS_REQUESTED, _requested("g", 0), 0)
+    view.apply(topics.TASKS_REQUESTED, _requested("g", 1), 0)
+    for _ in range(2):
+        view.apply(topics.TRAJECTORIES, _trajectory("g", 0), 1_000)
+    view.apply(topics.TRAJECTORIES, {**_trajectory("g", 1), "run": "other"}, 1_000)
+    snap = view.snapshot(1_000)
+    assert snap["tasks"]["calc"]["trajectories"] == 1
+    assert snap["queue_depth"] == 1
+    assert snap["trajectories_per_s"] == 1 / 60
+
+
+def test_success_counts_only_completed_full_credit():
+    view = RunView("r")
+    view.apply(topics.TRAJECTORIES, _trajectory("g", 0, reward=1.0), 0)
+    view.apply(topics.TRAJECTORIES, _trajectory("g", 1, reward=0.5), 0)
+    assert view.snapshot(0)["tasks"]["calc"]["success_rate"] == 0.5
+
+
+def test_validation_round_completes_when_every_requested_member_is_back():
+    view = RunView("r")
+    for m in range(2):
+        view.apply(topics.TASKS_REQUESTED, _requested("v", m, validation=True, epoch=3), 0)
+    view.apply(topics.TRAJECTORIES, _trajectory("v", 0, validation=True), 0)
+    assert not view.validation_complete(3)
+    view.apply(topics.TRAJECTORIES, _trajectory("v", 1, validation=True), 0)
+    assert view.validation_complete(3)
+    assert "calc" not in view.snapshot(0)["tasks"]  # validation is not training
+
+
+def test_staleness_and_stale_share_come_from_steps():
+    view = RunView("r")
+    view.apply(topics.WEIGHTS, {**samples.example("weight_version"), "run": "r", "version": 4, "step": 4}, 0)
+    view.apply(topics.STEPS, {**samples.example("step"), "run": "r", "pool": "stale", "weight_version": 2}, 0)
+    view.apply(topics.STEPS, {**samples.example("step"), "run": "r", "pool": "current", "weight_version": 4}, 0)
+    snap = view.snapshot(0)
+    assert (snap["learner_version"], snap["mean_staleness"], snap["stale_turn_share"]) == (4, 1.0, 0.5)
+
+
+def test_engines_of_other_runs_are_not_shown_and_render_draws_every_table():
+    view = RunView("r")
+    view.apply(topics.ENGINES, {**samples.example("engine_heartbeat"), "engine_id": "r.current-0"}, 0)
+    view.apply(topics.ENGINES, {**samples.example("engine_heartbeat"), "engine_id": "q.current-0"}, 0)
+    view.apply(topics.TRAJECTORIES, _trajectory("g", 0), 0)
+    assert list(view.snapshot(0)["engines"]) == ["r.current-0"]
+    console = Console(record=True, width=160)
+    console.print(render(view.snapshot(0), "run r"))
+    text = console.export_text()
+    assert "r.current-0" in text and "calc" in text and "learner step" in text

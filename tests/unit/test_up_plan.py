@@ -1,0 +1,107 @@
+"""`rollstream up`'s plan: every process's command line is one the real command accepts, and the
+configuration refuses settings that two components would disagree on."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import typer
+from pydantic import ValidationError
+
+from env_workers.envs.base import EnvSettings
+from env_workers.worker_settings import EnvWorkerSettings
+from learner.settings import LearnerSettings
+from pipeline import cli
+from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
+from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
+                              learner_child, streams_child)
+from streams.settings import StreamsSettings
+
+URLS = {"current": ["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "stale": ["http://127.0.0.1:8003"]}
+
+
+def _parse(child: Child) -> dict:
+    """Parses the child's arguments with the real rollstream command tree; returns the leaf's params."""
+    assert child.argv[1:3] == ("-m", "pipeline.cli")
+    command = typer.main.get_command(cli.app)
+    args = list(child.argv[3:])
+    ctx = command.context_class(command, info_name="rollstream")
+    while hasattr(command, "get_command"):  # a group (typer carries its own click: no isinstance check)
+        name, args = args[0], args[1:]
+        command = command.get_command(ctx, name)
+        assert command is not None, f"no subcommand {name!r}"
+        ctx = command.context_class(command, info_name=name, parent=ctx)
+    return command.make_context(ctx.info_name, args, parent=ctx.parent).params
+
+
+@pytest.fixture
+def cfg() -> RollstreamConfig:
+    return load_config(REPO_ROOT / "configs" / "cpu.yaml")
+
+
+def test_every_child_command_line_is_accepted_by_its_command(cfg, tmp_path):
+    children = [streams_child(cfg, "r1", tmp_path, 6070),
+                *env_worker_children(cfg, "r1", tmp_path, tmp_path / "model", URLS, EnvSettings()),
+                learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555),
+                dispatcher_child(cfg, "r1")]
+    assert [c.name for c in children][:2] == ["streams", "env-worker-0"]
+    for child in children:
+        _parse(child)
+
+
+def test_settings_files_carry_each_components_whole_settings(cfg, tmp_path):
+    streams = streams_child(cfg, "r1", tmp_path, 6070)
+    assert StreamsSettings.model_validate_json(next(iter(streams.files.values()))) == cfg.streams
+    worker = env_worker_children(cfg, "r1", tmp_path, tmp_path / "model", URLS, EnvSettings())[0]
+    settings = EnvWorkerSettings.model_validate_json(next(iter(worker.files.values())))
+    assert settings.agent_loop == cfg.agent_loop and settings.engine_urls == URLS
+    learner = learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555)
+    assert LearnerSettings(**json.loads(next(iter(learner.files.values())))) == cfg.learner
+
+
+def test_learner_broadcasts_to_both_pools_and_stops_at_max_steps(cfg, tmp_path):
+    params = _parse(learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555))
+    assert params["broadcast_current"] == "http://127.0.0.1:8001,http://127.0.0.1:8002"
+    assert params["broadcast_stale"] == "http://127.0.0.1:8003"
+    assert params["max_steps"] == cfg.max_steps and params["stale_step"] == cfg.streams.stale_step
+
+
+def test_dispatcher_gets_the_mix_and_the_group_and_batch_sizes_of_the_streams(cfg):
+    params = _parse(dispatcher_child(cfg, "r1"))
+    assert params["families"] == ",".join(cfg.mix.families)
+    assert params["group_size"] == cfg.streams.group_size and params["batch_size"] == cfg.streams.batch_size
+    assert params["val_samples"] == cfg.mix.val_samples
+
+
+def test_engines_get_the_stale_step_and_sequence_limit(cfg):
+    assert engine_args(cfg) == ("--stale-step", str(cfg.streams.stale_step),
+                                "--max-model-len", str(cfg.engines.max_model_len))
+
+
+def test_the_run_ends_with_the_validation_round_of_its_last_step(cfg):
+    assert final_validation_round(cfg) == cfg.max_steps // cfg.mix.val_interval
+
+
+def test_max_turns_of_router_and_agent_loop_must_agree():
+    with pytest.raises(ValidationError, match="max_turns"):
+        RollstreamConfig(streams={"max_turns": 5})
+
+
+def test_sampling_temperature_of_learner_and_agent_loop_must_agree():
+    with pytest.raises(ValidationError, match="temperature"):
+        RollstreamConfig(learner={"temperature": 1.0})
+
+
+def test_max_steps_must_end_on_a_validation_round():
+    with pytest.raises(ValidationError, match="multiple of mix.val_interval"):
+        RollstreamConfig(max_steps=30)
+
+
+def test_defaults_are_the_papers():
+    c = RollstreamConfig()
+    assert (c.streams.group_size, c.streams.batch_size, c.streams.stale_ratio, c.streams.stale_step) == (8, 256, 0.25, 25)
+    assert (c.agent_loop.max_turns, c.agent_loop.max_total_len, c.agent_loop.temperature) == (20, 8192, 0.8)
+    assert (c.learner.lr, c.mix.val_interval, c.mix.val_group_size, c.streams.first_batch_factor) == (1e-6, 25, 4, 1.7)
+    assert c.env_workers.count * c.env_workers.concurrency == 2048
