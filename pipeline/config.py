@@ -121,6 +121,8 @@ class RollstreamConfig(BaseSettings):
     """PPO + KL (lr 1e-6, clip 0.2, dual clip 3, KL 1e-4, ...)."""
     max_steps: int = Field(100, ge=1)
     """Learner steps a `rollstream up` run trains for before its final validation and report."""
+    max_restarts: int = Field(3, ge=0)
+    """Times `rollstream up` restarts a process that died on its own (the learner with --resume); 0 ends the run."""
     runs_dir: Path = Path("runs")
     """Where each run's folder (logs, report, figures) is written."""
 

@@ -511,13 +511,13 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
              f"- Learner steps: {summary['learner_steps']}",
              f"- Trajectories: {len(trajs)} ({len(train)} training, {len(val)} validation), duplicates dropped",
              f"- Groups trained: {len(staleness)}", ""]
-    if config:
-        lines += ["## Configuration", "", "```json", json.dumps(config, indent=2, sort_keys=True, default=str),
-                  "```", ""]
     lines += _evaluation_section(tasks, val, rounds, eval_fig)
     lines += _termination_section(train, val)
     lines += _training_section(train, curve_fig)
     lines += _pipeline_sections(staleness, turn_source, turns, health)
+    if config:  # last: long, and read only when a figure above needs explaining
+        lines += ["## Configuration", "", "```json", json.dumps(config, indent=2, sort_keys=True, default=str),
+                  "```", ""]
     (out_dir / "report.md").write_text("\n".join(lines))
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary

@@ -183,18 +183,38 @@ def raise_interrupted(*_: object) -> None:
 class Stack:
     """The processes of one run (engines apart), stopped in the reverse of their start order."""
 
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir, self.children, self.engines = log_dir, [], []  # type: ignore[var-annotated]
+    def __init__(self, log_dir: Path, max_restarts: int = 0) -> None:
+        self.log_dir, self.max_restarts = log_dir, max_restarts
+        self.children: list[RunningChild] = []
+        self.engines: list[EngineProcess] = []
+        self.restarts: dict[str, int] = {}
 
     def start(self, child: Child) -> RunningChild:
         running = RunningChild.start(child, self.log_dir)
         self.children.append(running)
         return running
 
-    def failed(self, expected_exits: Iterable[str] = ()) -> RunningChild | None:
-        """The first child that has exited, other than those allowed to."""
-        return next((c for c in self.children if c.process.poll() is not None and c.child.name not in expected_exits),
-                    None)
+    def supervise(self, say: Callable[[str], None], finished: Iterable[str] = ()) -> None:
+        """Restarts a child that ended on its own (its restart command: the learner resumes from its
+        checkpoint, the others from their committed offsets), at most max_restarts times each;
+        beyond that raises RunFailed. Children named in `finished` that exited 0 are done, not dead."""
+        done = set(finished)
+        for i, c in enumerate(self.children):
+            code = c.process.poll()
+            if code is None or (c.child.name in done and code == 0):
+                continue
+            used = self.restarts.get(c.child.name, 0)
+            if used >= self.max_restarts:
+                raise RunFailed(f"{c.child.name} exited with {code}"
+                                f"{f' after {used} restarts' if used else ''}:\n{c.log_tail()}")
+            c.log.close()
+            self.restarts[c.child.name] = used + 1
+            say(f"{c.child.name} exited with {code}: restarting it ({used + 1} of {self.max_restarts})")
+            self.children[i] = RunningChild.start(c.child.restarted(), self.log_dir)
+
+    def failed(self) -> RunningChild | None:
+        """The first child that has exited."""
+        return next((c for c in self.children if c.process.poll() is not None), None)
 
     def stop(self, say: Callable[[str], None]) -> dict[str, int | None]:
         codes = {}
@@ -221,7 +241,7 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
 
     previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.time()
-    stack = Stack(log_dir)
+    stack = Stack(log_dir, cfg.max_restarts)
     follower: RunFollower | None = None
     outcome = "finished"
     final_round = final_validation_round(cfg)
@@ -256,7 +276,7 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
     with follower.lock if follower else _nullcontext():
         snapshot = follower.view.snapshot(int(time.time() * 1000)) if follower else {}
     return {"run": run, "outcome": outcome, "started_at": _iso(started), "duration_s": round(time.time() - started, 1),
-            "run_dir": str(run_dir),
+            "run_dir": str(run_dir), "restarts": stack.restarts,
             "exit_codes": codes, "final_validation_round": final_round, "progress": snapshot}
 
 
@@ -283,14 +303,10 @@ def _watch(cfg: RollstreamConfig, run: str, stack: Stack, follower: RunFollower,
             if screen is not None:
                 screen.update(render(snap, title))
             learner = next(c for c in stack.children if c.child.name == "learner")
-            if learner_done_at is None and learner.process.poll() is not None:
-                if learner.process.returncode != 0:
-                    raise RunFailed(f"learner exited with {learner.process.returncode}:\n{learner.log_tail()}")
+            if learner_done_at is None and learner.process.poll() == 0:
                 learner_done_at = time.monotonic()
                 say(f"learner finished {cfg.max_steps} steps; waiting for validation round {final_round}")
-            dead = stack.failed(expected_exits=("learner",))
-            if dead is not None:
-                raise RunFailed(f"{dead.child.name} exited with {dead.process.returncode}:\n{dead.log_tail()}")
+            stack.supervise(say, finished=("learner",))
             for e in stack.engines:
                 if e.process.poll() is not None:
                     raise RunFailed(f"engine {e.engine_id} exited with {e.process.returncode}:\n{e.log_tail()}")

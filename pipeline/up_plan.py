@@ -29,6 +29,11 @@ class Child:
     name: str
     argv: tuple[str, ...]
     files: dict[str, str] = field(default_factory=dict)  # path -> content
+    restart_args: tuple[str, ...] = ()
+    """Appended when the process is started again after dying (the learner's --resume)."""
+
+    def restarted(self) -> Child:
+        return Child(self.name, self.argv + self.restart_args, self.files)
 
 
 def rollstream(*args: str) -> tuple[str, ...]:
@@ -76,7 +81,8 @@ def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
         argv += ["--broadcast-stale", ",".join(engine_urls["stale"])]
     if resume:
         argv.append("--resume")
-    return Child("learner", rollstream(*argv), {str(settings_path): cfg.learner.model_dump_json(indent=2)})
+    return Child("learner", rollstream(*argv), {str(settings_path): cfg.learner.model_dump_json(indent=2)},
+                 restart_args=() if resume else ("--resume",))
 
 
 def dispatcher_child(cfg: RollstreamConfig, run: str) -> Child:

@@ -1,0 +1,48 @@
+"""`rollstream up` restarts a process that died on its own, a bounded number of times."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from pipeline.up import RunFailed, Stack
+from pipeline.up_plan import Child
+
+
+def _wait_exit(stack: Stack) -> None:
+    deadline = time.monotonic() + 10
+    while any(c.process.poll() is None for c in stack.children):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+
+def test_a_dead_process_is_restarted_with_its_restart_arguments_then_the_run_fails(tmp_path):
+    said: list[str] = []
+    stack = Stack(tmp_path, max_restarts=2)
+    stack.start(Child("worker", ("sh", "-c", 'echo "args:$0"; exit 3'), restart_args=("again",)))
+    for _ in range(2):
+        _wait_exit(stack)
+        stack.supervise(said.append)
+    _wait_exit(stack)
+    with pytest.raises(RunFailed, match="worker exited with 3 after 2 restarts"):
+        stack.supervise(said.append)
+    assert stack.restarts == {"worker": 2}
+    assert "args:again" in (tmp_path / "worker.log").read_text()
+    assert said[0] == "worker exited with 3: restarting it (1 of 2)"
+
+
+def test_a_finished_process_that_exited_zero_is_left_alone(tmp_path):
+    stack = Stack(tmp_path, max_restarts=0)
+    stack.start(Child("learner", ("sh", "-c", "exit 0")))
+    _wait_exit(stack)
+    stack.supervise(lambda line: None, finished=("learner",))
+    assert stack.restarts == {}
+
+
+def test_without_restarts_the_first_death_ends_the_run(tmp_path):
+    stack = Stack(tmp_path, max_restarts=0)
+    stack.start(Child("dispatcher", ("sh", "-c", "echo boom; exit 1")))
+    _wait_exit(stack)
+    with pytest.raises(RunFailed, match="dispatcher exited with 1:\nboom"):
+        stack.supervise(lambda line: None)
