@@ -55,6 +55,10 @@ class EngineFleetSettings(BaseModel):
     """Longest sequence an engine serves (AgentRL max_total_len 8192)."""
     start_timeout_s: float = Field(600.0, gt=0)
     """How long an engine may take to serve (30-80 s on 2 CPU cores)."""
+    bind_host: str = "127.0.0.1"
+    """Address engines serve on; 0.0.0.0 lets env workers on other hosts (containers) reach them."""
+    advertise_host: str | None = None
+    """Host name engines give in their heartbeats, where env workers elsewhere find them (docker-compose: trainer)."""
 
 
 class EnvWorkerFleetSettings(BaseModel):

@@ -139,6 +139,8 @@ def engine(
     model: Path = typer.Option(..., "--model", help="Hugging Face checkpoint directory to serve."),
     port: int = typer.Option(8000, "--port", help="Port of the OpenAI-compatible server."),
     host: str = typer.Option("127.0.0.1", "--host", help="Address to serve on."),
+    advertise_url: str = typer.Option("", "--advertise-url", help="URL other hosts reach this engine at, sent in "
+                                      "heartbeats (default http://HOST:PORT; set it when HOST is 0.0.0.0)."),
     engine_id: str = typer.Option("", "--engine-id", help="Stable engine id (default: <pool>-<port>)."),
     run: str = typer.Option("", "--run", help="Run whose `weights` to follow (default: the configured run)."),
     initial_version: int = typer.Option(0, "--initial-version", help="Weight version of --model."),
@@ -160,7 +162,8 @@ def engine(
     cfg = load_config(config)
     run = run or cfg.run
     engine_id = engine_id or f"{pool.value}-{port}"
-    url = f"http://{host}:{port}"
+    # The supervisor probes and updates the server locally; others are told the advertised address.
+    url = f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
     on_gpu = _cuda_available()
     env = {**os.environ, INITIAL_VERSION_ENV: str(initial_version)}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
@@ -188,7 +191,7 @@ def engine(
         control = EngineControl(url)
         follower = WeightFollower(consumer, mc, control, pool=pool.value, run=run, stale_step=settings.stale_step,
                                   download_root=work_dir / engine_id)
-        heartbeat = Heartbeat(producer, engine_id=engine_id, pool=pool.value, url=url, model=str(model),
+        heartbeat = Heartbeat(producer, engine_id=engine_id, pool=pool.value, url=advertise_url or url, model=str(model),
                               interval_s=settings.heartbeat_interval_s, probe_timeout_s=settings.probe_timeout_s,
                               initial_version=initial_version, extra_detail=lambda: follower.last_error)
         heartbeat.start()

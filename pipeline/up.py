@@ -163,7 +163,8 @@ def ensure_policy(cfg: RollstreamConfig, log_dir: Path, say: Callable[[str], Non
 def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
                   pools: dict[str, int], say: Callable[[str], None]) -> list[EngineProcess]:
     engines = [launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines",
-                             engine_id=f"{run}.{pool}-{i}", extra_args=engine_args(cfg), cwd=REPO_ROOT)
+                             engine_id=f"{run}.{pool}-{i}", extra_args=engine_args(cfg), cwd=REPO_ROOT,
+                             bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host)
                for pool, count in pools.items() for i in range(count)]
     try:
         for e in engines:

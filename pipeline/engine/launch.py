@@ -63,15 +63,19 @@ class EngineProcess:
 
 def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port: int | None = None,
                   engine_id: str | None = None, extra_args: tuple[str, ...] = (),
-                  cwd: Path | None = None) -> EngineProcess:
-    """Starts `rollstream engine` in its own process group; call `wait_until_serving` next."""
+                  cwd: Path | None = None, bind_host: str = "127.0.0.1",
+                  advertise_host: str | None = None) -> EngineProcess:
+    """Starts `rollstream engine` in its own process group; call `wait_until_serving` next.
+    bind_host 0.0.0.0 with an advertise_host lets other machines (containers) reach it."""
     port = port or free_port()
     engine_id = engine_id or f"{pool}-{port}"
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / f"{engine_id}.log"
     command = [sys.executable, "-m", "pipeline.engine_cmd", "--pool", pool, "--model", str(model_dir),
                "--port", str(port), "--engine-id", engine_id, "--run", run,
-               "--work-dir", str(work_dir / engine_id), *extra_args]
+               "--work-dir", str(work_dir / engine_id), "--host", bind_host, *extra_args]
+    if advertise_host:
+        command += ["--advertise-url", f"http://{advertise_host}:{port}"]
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                    start_new_session=True)

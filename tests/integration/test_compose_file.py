@@ -11,17 +11,38 @@ import yaml
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_compose_file_validates_and_names_every_process():
+def _services() -> dict:
     result = subprocess.run(["docker-compose", "-f", str(REPO_ROOT / "docker-compose.yml"), "config"],
                             capture_output=True, text=True, cwd=REPO_ROOT)
     assert result.returncode == 0, result.stderr
-    services = yaml.safe_load(result.stdout)["services"]
-    assert {"kafka", "minio", "infra-init", "streams", "engine-current", "engine-stale", "env-worker",
-            "learner", "dispatcher"} <= set(services)
+    return yaml.safe_load(result.stdout)["services"]
+
+
+def test_compose_file_validates_and_runs_the_make_run_configuration():
+    services = _services()
+    assert {"kafka", "minio", "infra-init", "trainer", "env-worker", "trainer-gpu"} <= set(services)
     assert services["kafka"]["image"] == "apache/kafka:4.1.1"
-    for name in ("streams", "env-worker", "learner", "dispatcher", "engine-current", "engine-stale"):
+    for name in ("trainer", "env-worker"):
         assert services[name]["image"] == "rollstream:local"
         assert services[name]["environment"]["ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS"] == "kafka:9092"
+    assert services["trainer"]["command"][:3] == ["up", "--config", "configs/cpu.yaml"]
+    assert services["trainer-gpu"]["command"] == services["trainer"]["command"]
+
+
+def test_compose_env_workers_join_the_trainers_run_with_its_limits():
+    services = _services()
+    worker = services["env-worker"]["command"]
+    options = dict(zip(worker[1::2], worker[2::2]))
+    trainer = services["trainer"]["command"]
+    assert options["--run"] == trainer[trainer.index("--run") + 1]
+    cfg = yaml.safe_load((REPO_ROOT / "configs" / "cpu.yaml").read_text())
+    assert (int(options["--max-turns"]), int(options["--max-total-len"]), int(options["--max-new-tokens"]),
+            int(options["--concurrency"])) == (cfg["agent_loop"]["max_turns"], cfg["agent_loop"]["max_total_len"],
+                                               cfg["agent_loop"]["max_new_tokens"], cfg["env_workers"]["concurrency"])
+    # engines bind every interface and announce the trainer's host name, where these workers find them
+    env = services["trainer"]["environment"]
+    assert (env["ROLLSTREAM_ENGINES__BIND_HOST"], env["ROLLSTREAM_ENGINES__ADVERTISE_HOST"]) == ("0.0.0.0", "trainer")
+    assert services["trainer"]["hostname"] == "trainer"
 
 
 def test_compose_builds_minio_at_the_version_the_local_scripts_pin():
