@@ -97,7 +97,7 @@ def run_eval(cfg: RollstreamConfig, model_dir: Path, version: int, sources: tupl
     requests = validation_requests(run, sources, n, 0, version, now_ms())
     started = time.monotonic()
     try:
-        stack.engines = start_engines(cfg, run, run_dir, model_dir, {"current": 1}, say)
+        start_engines(cfg, run, run_dir, model_dir, {"current": 1}, say, into=stack.engines)
         start_at_end(cfg.kafka, streams_app_id(run))
         follower = RunFollower(cfg.kafka, RunView(run), since_ms=now_ms() - 5000)
         follower.start()

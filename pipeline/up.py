@@ -154,27 +154,36 @@ def ensure_policy(cfg: RollstreamConfig, log_dir: Path, say: Callable[[str], Non
     for argv in steps:
         # Progress bars of these commands go straight to our stderr: nothing else is on screen yet.
         with open(log_dir / "policy.log", "ab") as log:
-            done = subprocess.run(argv, cwd=REPO_ROOT, stdout=log)
-        if done.returncode != 0:
+            proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=log, start_new_session=True)
+            try:
+                code = proc.wait()
+            except BaseException:  # Ctrl-C or SIGTERM while the policy is made: it stops too
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                raise
+        if code != 0:
             raise RunFailed(f"making the default policy failed ({' '.join(argv[2:5])}): see {log_dir / 'policy.log'}")
     return path
 
 
 def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
-                  pools: dict[str, int], say: Callable[[str], None]) -> list[EngineProcess]:
-    engines = [launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines",
-                             engine_id=f"{run}.{pool}-{i}", extra_args=engine_args(cfg), cwd=REPO_ROOT,
-                             bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host)
-               for pool, count in pools.items() for i in range(count)]
-    try:
-        for e in engines:
+                  pools: dict[str, int], say: Callable[[str], None], into: list[EngineProcess]) -> None:
+    """Launches the engines into `into` (first, so that whoever stops the run stops them even when
+    it is interrupted while they load), then waits until each one serves."""
+    for pool, count in pools.items():
+        for i in range(count):
+            into.append(launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines",
+                                      engine_id=f"{run}.{pool}-{i}", extra_args=engine_args(cfg), cwd=REPO_ROOT,
+                                      bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host))
+    for e in into:
+        try:
             seconds = e.wait_until_serving(cfg.engines.start_timeout_s)
-            say(f"engine {e.engine_id} ({e.pool}) serving at {e.url} after {seconds:.0f} s")
-    except RuntimeError as error:
-        for e in engines:
-            e.stop()
-        raise RunFailed(str(error)) from None
-    return engines
+        except RuntimeError as error:
+            raise RunFailed(str(error)) from None
+        say(f"engine {e.engine_id} ({e.pool}) serving at {e.url} after {seconds:.0f} s")
 
 
 def raise_interrupted(*_: object) -> None:
@@ -249,8 +258,8 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
     try:
         model_dir = ensure_policy(cfg, log_dir, say)
         say(f"run {run}: policy {model_dir}; logs in {log_dir}")
-        stack.engines = start_engines(cfg, run, run_dir, model_dir,
-                                      {"current": cfg.engines.current, "stale": cfg.engines.stale}, say)
+        start_engines(cfg, run, run_dir, model_dir, {"current": cfg.engines.current, "stale": cfg.engines.stale},
+                      say, into=stack.engines)
         urls = {pool: [e.url for e in stack.engines if e.pool == pool] for pool in ("current", "stale")}
         urls = {pool: u for pool, u in urls.items() if u}
         # Before anything is dispatched: the run's Faust app starts at the topics' current end.

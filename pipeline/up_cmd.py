@@ -48,12 +48,16 @@ def up(
         console.print(f"[red]rollstream up: run {run} failed:[/red] {error}")
         raise typer.Exit(code=1) from None
     if report:
-        from pipeline.report_cmd import print_summary, write_report  # matplotlib only when a report is built
+        from pipeline.report_cmd import NoEvents, print_summary, write_report  # matplotlib only for a report
 
-        report_summary = write_report(cfg, run, Path(summary["run_dir"]), since=summary["started_at"])
-        summary["report"] = {"folder": summary["run_dir"], **report_summary}
-        if not as_json:
-            print_summary(report_summary, Path(summary["run_dir"]), Console())
+        try:
+            report_summary = write_report(cfg, run, Path(summary["run_dir"]), since=summary["started_at"])
+        except NoEvents as error:
+            console.print(f"no report: {error}")
+        else:
+            summary["report"] = {"folder": summary["run_dir"], **report_summary}
+            if not as_json:
+                print_summary(report_summary, Path(summary["run_dir"]), Console())
     if as_json:
         typer.echo(summary_json(summary))
     else:
