@@ -1,4 +1,4 @@
-"""Chat-template encoding for the token-in, token-out agent loop, and the template fingerprint.
+"""Chat-template encoding for the token-in, token-out agent loop (the template fingerprint is schemas/template.py).
 
 DESIGN.md: the prompt is encoded once with the tokenizer's chat template and every environment
 message is appended as the *difference* of two encodings. That only works when the template has
@@ -10,10 +10,10 @@ recording tokens that no re-encoding reproduces.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
+
+from schemas.template import template_fingerprint
 
 
 class TemplatePrefixError(ValueError):
@@ -30,16 +30,6 @@ class ChatTokenizer(Protocol):
     def encode(self, text: str, **kwargs: Any) -> list[int]: ...
     def decode(self, ids: Any, **kwargs: Any) -> str: ...
     def get_added_vocab(self) -> dict[str, int]: ...
-
-
-def template_fingerprint(tokenizer: ChatTokenizer) -> str:
-    """sha256 of the chat template, the added tokens and eos: equal fingerprints encode conversations alike."""
-    identity = {
-        "chat_template": tokenizer.chat_template,
-        "added_tokens": sorted(tokenizer.get_added_vocab().items(), key=lambda item: item[1]),
-        "eos_token_id": tokenizer.eos_token_id,
-    }
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
 
 
 class ChatEncoder:

@@ -73,6 +73,21 @@ class ResumeError(RuntimeError):
     """The run's published versions and its checkpoint disagree, or a fresh start would clash."""
 
 
+class TemplateMismatch(RuntimeError):
+    """A batch holds trajectories encoded with another chat template or tokenizer than the policy's."""
+
+
+def check_template(batch: Mapping[str, Any], expected: str) -> None:
+    """Raises TemplateMismatch naming the trajectories whose template fingerprint is not `expected`:
+    their token ids would mean something else to the policy being trained."""
+    wrong = [item["trajectory"]["trajectory_id"] for item in batch["items"]
+             if item["trajectory"]["template_fingerprint"] != expected]
+    if wrong:
+        raise TemplateMismatch(f"batch {batch['batch_id']}: {len(wrong)} trajectories (e.g. {wrong[0]}) were encoded "
+                               f"with a chat template other than the policy's (fingerprint {expected[:12]}…); "
+                               f"the env workers and the learner must load the same tokenizer")
+
+
 @dataclass(frozen=True)
 class Published:
     """What a `weights` event of the run says about one version."""
@@ -213,6 +228,8 @@ class LearnerLoop:
     mc: Minio
     producer: EventProducer
     broadcaster: Broadcaster | None = None
+    template_fingerprint: str | None = None
+    """The policy tokenizer's (schemas/template.py); batches encoded otherwise are refused. None: unchecked."""
     should_stop: Callable[[], bool] = lambda: False
     progress: Callable[[str], None] = lambda line: None
     clock: Callable[[], float] = time.perf_counter
@@ -277,6 +294,8 @@ class LearnerLoop:
                 if batch["batch_id"] in applied:
                     log.info("skipping batch %s (index %d): already applied", batch["batch_id"], batch["index"])
                     continue
+                if self.template_fingerprint is not None:
+                    check_template(batch, self.template_fingerprint)
                 items = batch_items(batch, self._fetch)
                 if not any(int(mask.sum()) for _, mask, _, _ in items):
                     log.warning("skipping batch %s (index %d): no action tokens to train on",

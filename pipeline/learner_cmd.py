@@ -24,13 +24,14 @@ from pydantic import ValidationError
 from torch.nn.parallel import DistributedDataParallel
 
 from learner import distributed
-from learner.process import LearnerLoop, ProcessSettings, ResumeError
+from learner.process import LearnerLoop, ProcessSettings, ResumeError, TemplateMismatch
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer
 from pipeline.config import load_config
 from pipeline.engine.broadcaster import EngineBroadcaster, PoolBroadcaster
 from schemas import objectstore, topics
 from schemas.bus import EventProducer
+from schemas.template import template_fingerprint
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
 
@@ -50,6 +51,15 @@ def load_policy(path: Path) -> tuple[torch.nn.Module, torch.nn.Module, dict[str,
     ref.requires_grad_(False)
     ref.eval()
     return model, ref, json.loads(model.config.to_json_string())
+
+
+def policy_template(path: Path) -> str | None:
+    """The chat-template fingerprint of the policy's tokenizer; None for a checkpoint without one."""
+    from transformers import AutoTokenizer
+
+    if not (path / "tokenizer_config.json").is_file():
+        return None
+    return template_fingerprint(AutoTokenizer.from_pretrained(str(path)))
 
 
 class _StopFlag:
@@ -143,6 +153,7 @@ def learner(
             broadcaster=_broadcaster(broadcast_current, broadcast_stale, broadcast_host, broadcast_port,
                                      stale_step, settings),
             step_fn=distributed.single_process_step_fn(model, ref, optimizer, settings), model_config=model_config,
+            template_fingerprint=policy_template(model_path),
             kafka=cfg.kafka, mc=mc, producer=producer, should_stop=lambda: stop.set,
             progress=(lambda line: None) if quiet else (lambda line: typer.echo(line, err=True)),
         )
@@ -156,6 +167,8 @@ def learner(
             loop.step_fn = distributed.leader_step_fn(ddp, ref, optimizer, settings)
         try:
             state = loop.loop(state)
+        except TemplateMismatch as e:
+            _fail(str(e))
         finally:
             if world > 1:
                 distributed.share_batch(None)

@@ -416,12 +416,33 @@ def _termination_section(train: Sequence[Event], val: Sequence[Event]) -> list[s
     return lines
 
 
-def _training_section(train: Sequence[Event], figure: str | None) -> list[str]:
+def learning_signal(groups: Sequence[Event]) -> dict[str, dict[str, int]]:
+    """Per task, training groups and how many had all-equal rewards: GRPO gives those zero advantage,
+    so a task whose groups are all equal teaches the policy nothing (e.g. it never succeeds)."""
+    out: dict[str, dict[str, int]] = {}
+    for g in groups:
+        if not g["validation"]:
+            row = out.setdefault(g["task"], {"groups": 0, "all_equal": 0})
+            row["groups"] += 1
+            row["all_equal"] += bool(g["all_equal"])
+    return dict(sorted(out.items()))
+
+
+def _training_section(train: Sequence[Event], groups: Sequence[Event], figure: str | None) -> list[str]:
     lines = ["## Training success and reward over learner versions", ""]
     if train:
-        lines += _table(["task", "episodes", "success rate [95% CI]", "mean reward"],
+        signal = learning_signal(groups)
+        lines += _table(["task", "episodes", "success rate [95% CI]", "mean reward", "groups with equal rewards"],
                         [[task, r["episodes"], f"{_pct(r['success_rate'])} {_interval(r['ci95'])}",
-                          f"{r['mean_reward']:.3f}"] for task, r in evaluation.success_by_task(train).items()])
+                          f"{r['mean_reward']:.3f}",
+                          (f"{signal[task]['all_equal']} of {signal[task]['groups']}" if task in signal else "—")]
+                         for task, r in evaluation.success_by_task(train).items()])
+        silent = [task for task, row in signal.items() if row["groups"] and row["all_equal"] == row["groups"]]
+        if silent:
+            lines += [f"No learning signal for {', '.join(silent)}: every training group's members got the same "
+                      "reward, so every GRPO advantage was zero (typically: the policy never succeeds on the task "
+                      "and every attempt gets the same punishment). Such a task cannot improve under RL until "
+                      "the starting policy sometimes succeeds.", ""]
     return lines + _figure(figure, "training success and reward", "No training trajectories yet.")
 
 
@@ -505,7 +526,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
 
     summary = {"run": run, "duration_s": (span[1] - span[0]) / 1000.0 if span else 0.0,
                "learner_steps": learner_steps(ev.get(topics.WEIGHTS, [])), "tasks": tasks,
-               "trajectories": len(trajs), "figures": written}
+               "trajectories": len(trajs), "figures": written, "learning_signal": learning_signal(groups)}
     lines = [f"# Run `{run}`", "",
              f"- Duration: {summary['duration_s']:.0f} s (first to last event of the run)",
              f"- Learner steps: {summary['learner_steps']}",
@@ -513,7 +534,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
              f"- Groups trained: {len(staleness)}", ""]
     lines += _evaluation_section(tasks, val, rounds, eval_fig)
     lines += _termination_section(train, val)
-    lines += _training_section(train, curve_fig)
+    lines += _training_section(train, groups, curve_fig)
     lines += _pipeline_sections(staleness, turn_source, turns, health)
     if config:  # last: long, and read only when a figure above needs explaining
         lines += ["## Configuration", "", "```json", json.dumps(config, indent=2, sort_keys=True, default=str),

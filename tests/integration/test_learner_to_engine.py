@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 from env_workers.engine_client import WEIGHT_VERSION_HEADER, completion_request, parse_completion
 from learner.manifest import decode_version
 from pipeline.engine.launch import free_port, launch_engine
-from pipeline.model_init import PolicyModelSettings, init_model
+from pipeline.model_init import PolicyModelSettings, build_tokenizer, init_model
+from schemas.template import template_fingerprint
 from schemas import arrays, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.weight_layout import WeightManifest
@@ -46,6 +47,7 @@ def _batch(run: str, index: int) -> dict:
         mask = np.zeros(24, dtype=np.uint8)
         mask[t["prompt_tokens"]:] = 1
         t.update(run=run, group_id=f"{run}-g{index}", trajectory_id=f"{run}-t{index}-{member}",
+                 template_fingerprint=template_fingerprint(build_tokenizer()),
                  input_ids=arrays.pack_ids(rng.integers(0, 256, 24)), loss_mask=arrays.pack_mask(mask),
                  rollout_logprobs=arrays.pack_logprobs(-np.ones(24) * mask))
         items.append({"trajectory": t, "group_advantage": 1.0, "advantage": 1.0 if member % 2 else -1.0})

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from env_workers.chat_template import ChatEncoder, TemplatePrefixError, template_fingerprint
+from env_workers.chat_template import ChatEncoder, TemplatePrefixError
+from schemas.template import template_fingerprint
 from pipeline.model_init import CHAT_TEMPLATE, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "Run SQL.", "parameters": {

@@ -144,3 +144,13 @@ def test_a_non_finite_gradient_skips_the_optimizer_step(settings):
     assert metrics["actor/step_skipped"] == 1.0
     for name, p in model.named_parameters():
         assert torch.allclose(p, before[name], rtol=0, atol=0, equal_nan=True), name
+
+
+def test_a_batch_encoded_with_another_chat_template_is_refused_by_name():
+    from learner.process import TemplateMismatch, check_template
+
+    batch = {"batch_id": "b1", "items": [{"trajectory": {"trajectory_id": "t1", "template_fingerprint": "a" * 64}},
+                                          {"trajectory": {"trajectory_id": "t2", "template_fingerprint": "b" * 64}}]}
+    check_template({**batch, "items": batch["items"][:1]}, "a" * 64)
+    with pytest.raises(TemplateMismatch, match=r"batch b1: 1 trajectories \(e.g. t2\)"):
+        check_template(batch, "a" * 64)

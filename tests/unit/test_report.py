@@ -208,7 +208,7 @@ def test_run_without_validation_still_builds_and_says_so(tmp_path: Path) -> None
 def test_run_with_no_events_builds_an_empty_report(tmp_path: Path) -> None:
     summary = build_report({}, tmp_path / "empty", RUN)
     assert summary == {"run": RUN, "duration_s": 0.0, "learner_steps": 0, "tasks": {}, "trajectories": 0,
-                       "figures": []}
+                       "figures": [], "learning_signal": {}}
     assert "No trajectories in this run yet" in (tmp_path / "empty" / "report.md").read_text()
 
 
@@ -300,3 +300,13 @@ def test_report_help_shows_an_example() -> None:
     result = CliRunner().invoke(report_app, ["--help"])
     assert result.exit_code == 0
     assert "rollstream report --run r1" in result.output
+
+
+def test_learning_signal_counts_training_groups_whose_rewards_were_all_equal():
+    from pipeline.report import learning_signal
+
+    groups = [{"task": "calc", "validation": False, "all_equal": True},
+              {"task": "calc", "validation": False, "all_equal": False},
+              {"task": "calc", "validation": True, "all_equal": True},
+              {"task": "os", "validation": False, "all_equal": True}]
+    assert learning_signal(groups) == {"calc": {"groups": 2, "all_equal": 1}, "os": {"groups": 1, "all_equal": 1}}
