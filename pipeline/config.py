@@ -20,8 +20,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from env_workers.settings import AgentLoopSettings
 from learner.settings import LearnerSettings
-from pipeline.model_init import PolicyModelSettings
-from pipeline.sft import SftSettings
 from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.settings import StreamsSettings
 
@@ -35,11 +33,8 @@ class PolicySettings(BaseModel):
 
     path: Path = Path(".run/models/default")
     """Hugging Face checkpoint directory (ours or e.g. Qwen2.5); when it holds no checkpoint, `rollstream up`
-    makes the default policy there (`model init` + `model sft`; the paper starts from Qwen2.5-Instruct)."""
-    init: PolicyModelSettings = PolicyModelSettings()
-    """Architecture of the default policy when it has to be made."""
-    sft: SftSettings = SftSettings()
-    """Supervised warm-start of the default policy when it has to be made."""
+    makes the default policy there with `model init` and `model sft` at their defaults (the paper starts
+    from Qwen2.5-Instruct; run those two commands yourself for another architecture or warm-start)."""
 
 
 class EngineFleetSettings(BaseModel):

@@ -141,16 +141,10 @@ def ensure_policy(cfg: RollstreamConfig, log_dir: Path, say: Callable[[str], Non
     if path.exists() and any(path.iterdir()):
         raise RunFailed(f"{path} is neither empty nor a checkpoint (no config.json): move it or set policy.path")
     base = path.with_name(path.name + ".init")
-    init, sft = cfg.policy.init, cfg.policy.sft
     say(f"no policy at {path}: making the default policy (model init + model sft; several minutes, once)")
-    steps = [
-        rollstream("model", "init", "--out", str(base), "--force", "--hidden", str(init.hidden_size),
-                   "--layers", str(init.num_layers), "--heads", str(init.num_heads), "--kv-heads", str(init.num_kv_heads),
-                   "--intermediate", str(init.intermediate_size), "--seed", str(init.seed)),
-        rollstream("model", "sft", "--model", str(base), "--out", str(path), "--force",
-                   "--families", ",".join(sft.families), "--samples", str(sft.samples), "--epochs", str(sft.epochs),
-                   "--batch-size", str(sft.batch_size), "--lr", str(sft.lr), "--seed", str(sft.seed)),
-    ]
+    # No evaluation inside `model sft`: the run's validation round 0 measures the same policy.
+    steps = [rollstream("model", "init", "--out", str(base), "--force"),
+             rollstream("model", "sft", "--model", str(base), "--out", str(path), "--force", "--eval-episodes", "0")]
     for argv in steps:
         # Progress bars of these commands go straight to our stderr: nothing else is on screen yet.
         with open(log_dir / "policy.log", "ab") as log:
