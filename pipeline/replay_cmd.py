@@ -16,6 +16,7 @@ from rich.table import Table
 from tqdm import tqdm
 from typer.core import TyperGroup
 
+from pipeline.config import load_config
 from pipeline.replay import SUFFIXES, VERIFY_TOPICS, ReplayError, read_run, read_topic, write_records
 from pipeline.replay_logic import Bound, ReplayStats, VerifyReport, VerifySettings, verify
 from schemas import topics
@@ -61,10 +62,6 @@ def _fail(message: str, code: int = 1) -> NoReturn:
 
 
 def _kafka(config: Path | None) -> KafkaSettings:
-    # Imported here: the run configuration pulls in the model stack (torch, transformers, seconds to
-    # import), which a replay never needs until it reads the broker settings.
-    from pipeline.config import load_config
-
     try:
         return load_config(config).kafka
     except (OSError, ValueError) as e:
