@@ -76,8 +76,8 @@ class MixSettings(BaseModel):
     """Training families, interleaved round-robin, as FAMILY or FAMILY:SPLIT (AgentRL: its five tasks)."""
     val_families: tuple[str, ...] = ("os", "db", "kg", "alfworld", "webshop")
     """Validation families, FAMILY or FAMILY:SPLIT; a family without a split uses its held-out split."""
-    val_samples: int | None = Field(None, ge=1)
-    """Validation samples per family (the first ones of its split); None = the whole split."""
+    val_samples: int | dict[str, int] | None = None
+    """Validation samples per family (the first ones of its split), one number or per family; None = the whole split."""
     max_in_flight_groups: int | None = Field(None, ge=1)
     """Groups dispatched and not yet trained; None = 2 x batch size (AgentRL's queue)."""
     val_interval: int = Field(25, ge=1)

@@ -28,7 +28,23 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(code=1)
 
 
-def parse_sources(spec: str, default_split: str | dict[str, str], limit: int | None = None) -> tuple[TaskSource, ...]:
+def parse_limit(text: str | None) -> int | dict[str, int] | None:
+    """"6" -> 6 for every family; "calc=32,os=6" -> per family (others: all samples)."""
+    if not text:
+        return None
+    if text.strip().isdigit():
+        return int(text)
+    limits = {}
+    for item in text.split(","):
+        name, sep, count = item.strip().partition("=")
+        if not sep or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"sample counts are N or FAMILY=N,...; got {item!r}")
+        limits[name.strip()] = int(count)
+    return limits
+
+
+def parse_sources(spec: str, default_split: str | dict[str, str],
+                  limit: int | dict[str, int] | None = None) -> tuple[TaskSource, ...]:
     """"calc,db:standard" -> one TaskSource per family (split after ':', else default_split, one
     name or one per family), with the split's sample count from the environment registry, at most `limit`."""
     sources = []
@@ -46,7 +62,8 @@ def parse_sources(spec: str, default_split: str | dict[str, str], limit: int | N
             _fail(str(e))
         if count == 0:
             _fail(f"family {name!r} split {split!r} has no samples")
-        sources.append(TaskSource(task=name, split=split, count=min(count, limit) if limit else count))
+        cap = limit.get(name) if isinstance(limit, dict) else limit
+        sources.append(TaskSource(task=name, split=split, count=min(count, cap) if cap else count))
     return tuple(sources)
 
 
@@ -61,7 +78,7 @@ def dispatch(
     max_in_flight: int | None = typer.Option(None, min=1, help="Groups in flight at most (default 2 x batch size)."),
     val_interval: int = typer.Option(_D.val_interval, help="Validate every this many learner versions."),
     val_group_size: int = typer.Option(_D.val_group_size, help="Rollouts per validation sample."),
-    val_samples: int | None = typer.Option(None, min=1, help="Validation samples per family (the first ones); default all."),
+    val_samples: str = typer.Option("", help="Validation samples per family, the first ones: N, or FAMILY=N,... (default all)."),
     no_val_before_train: bool = typer.Option(False, "--no-val-before-train", help="Skip validation round 0."),
     poll_s: float = typer.Option(1.0, help="How long each progress poll waits."),
     config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
@@ -78,11 +95,13 @@ def dispatch(
     try:
         settings = DispatcherSettings(
             sources=parse_sources(families, split or TRAINING_SPLITS),
-            validation_sources=parse_sources(val_families, HELD_OUT_SPLITS, val_samples) if val_families else (),
+            validation_sources=parse_sources(val_families, HELD_OUT_SPLITS, parse_limit(val_samples)) if val_families else (),
             group_size=group_size, batch_size=batch_size, max_in_flight_groups=max_in_flight,
             val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train)
     except ValidationError as e:
         _fail("; ".join(err["msg"] for err in e.errors()))
+    except ValueError as e:
+        _fail(str(e))
     if not settings.sources:
         _fail("--families names no family")
     stop = {"requested": False}

@@ -68,7 +68,8 @@ def materialize_version(cfg: RollstreamConfig, run: str, version: int, base: Pat
     return model_dir
 
 
-def validation_sources(families: list[str], split: str, samples: int | None) -> tuple[TaskSource, ...]:
+def validation_sources(families: list[str], split: str,
+                       samples: int | dict[str, int] | None) -> tuple[TaskSource, ...]:
     sources = []
     for family in families:
         chosen = EVAL_SPLITS.get(family, "") if split == STD else split
@@ -78,7 +79,8 @@ def validation_sources(families: list[str], split: str, samples: int | None) -> 
             count = len(registry.samples(family, chosen, env_settings()))
         except registry.UnknownFamily as error:
             _fail(str(error))
-        sources.append(TaskSource(task=family, split=chosen, count=min(count, samples) if samples else count))
+        cap = samples.get(family) if isinstance(samples, dict) else samples
+        sources.append(TaskSource(task=family, split=chosen, count=min(count, cap) if cap else count))
     return tuple(sources)
 
 

@@ -95,7 +95,8 @@ def dispatcher_child(cfg: RollstreamConfig, run: str) -> Child:
     if mix.val_families:
         argv += ["--val-families", ",".join(mix.val_families)]
         if mix.val_samples is not None:
-            argv += ["--val-samples", str(mix.val_samples)]
+            argv += ["--val-samples", str(mix.val_samples) if isinstance(mix.val_samples, int)
+                     else ",".join(f"{k}={v}" for k, v in mix.val_samples.items())]
     if not mix.val_before_train:
         argv.append("--no-val-before-train")
     return Child("dispatcher", rollstream(*argv))

@@ -15,6 +15,7 @@ from env_workers.worker_settings import EnvWorkerSettings
 from learner.settings import LearnerSettings
 from pipeline import cli
 from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
+from pipeline.dispatch_cmd import parse_limit
 from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
                               learner_child, streams_child)
 from streams.settings import StreamsSettings
@@ -72,7 +73,14 @@ def test_dispatcher_gets_the_mix_and_the_group_and_batch_sizes_of_the_streams(cf
     params = _parse(dispatcher_child(cfg, "r1"))
     assert params["families"] == ",".join(cfg.mix.families)
     assert params["group_size"] == cfg.streams.group_size and params["batch_size"] == cfg.streams.batch_size
-    assert params["val_samples"] == cfg.mix.val_samples
+    assert parse_limit(params["val_samples"]) == cfg.mix.val_samples
+
+
+def test_validation_sample_counts_are_one_number_or_per_family():
+    assert parse_limit("6") == 6 and parse_limit("") is None
+    assert parse_limit("calc=32,os=6") == {"calc": 32, "os": 6}
+    with pytest.raises(ValueError, match="FAMILY=N"):
+        parse_limit("calc:32")
 
 
 def test_engines_get_the_stale_step_and_sequence_limit(cfg):
