@@ -10,8 +10,9 @@ import json
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -72,9 +73,26 @@ def init(
                    f"(vocab {summary['vocab_size']}, hidden {hidden}, {layers} layers, seed {seed})")
 
 
-def _sft_fail(message: str) -> None:
+def _sft_fail(message: str) -> NoReturn:
     typer.echo(f"rollstream model sft: {message}", err=True)
     raise typer.Exit(code=2)
+
+
+def _sample_counts(text: str, names: tuple[str, ...]) -> dict[str, int]:
+    """`--samples`: one count for every family, or NAME=N pairs naming every family trained."""
+    try:
+        if "=" not in text:
+            counts = dict.fromkeys(names, int(text))
+        else:
+            counts = {name: int(count) for name, count in (pair.split("=") for pair in text.split(",") if pair)}
+    except ValueError:
+        _sft_fail(f"--samples: expected N or NAME=N,..., got {text!r}")
+    missing = [name for name in names if name not in counts]
+    if missing:
+        _sft_fail(f"--samples names no count for {', '.join(missing)}")
+    if any(counts[name] < 1 for name in names):
+        _sft_fail("--samples: every count must be at least 1")
+    return {name: counts[name] for name in names}
 
 
 def _loss_window(losses: list[float]) -> tuple[float, float]:
@@ -88,7 +106,8 @@ def sft(
     model: Path = typer.Option(..., "--model", help="Checkpoint directory to fine-tune (ours or e.g. Qwen2.5)."),
     out: Path = typer.Option(..., "--out", help="Directory to write the fine-tuned checkpoint to."),
     families: str = typer.Option(",".join(SftSettings().families), "--families", help="Comma-separated families."),
-    samples: int = typer.Option(SftSettings().samples, "--samples", help="Train samples per family."),
+    samples: str = typer.Option(",".join(f"{k}={v}" for k, v in SftSettings().samples.items()), "--samples",
+                                help="Train samples per family: N for every family, or NAME=N,..."),
     epochs: int = typer.Option(SftSettings().epochs, "--epochs", help="Passes over the demonstrations."),
     batch_size: int = typer.Option(SftSettings().batch_size, "--batch-size", help="Demonstrations per step."),
     lr: float = typer.Option(SftSettings().lr, "--lr", help="Peak learning rate."),
@@ -116,8 +135,9 @@ def sft(
         _sft_fail("--out must differ from --model")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not force)):
         _sft_fail(f"{out} exists and is not an empty directory (use --force)")
+    counts = _sample_counts(samples, names)
     try:
-        settings = SftSettings(families=names, samples=samples, epochs=epochs, batch_size=batch_size, lr=lr,
+        settings = SftSettings(families=names, samples=counts, epochs=epochs, batch_size=batch_size, lr=lr,
                                max_tokens_per_micro_batch=micro_tokens, seed=seed)
         evaluation = EvalSettings(episodes=eval_episodes)
     except ValidationError as error:
@@ -134,7 +154,7 @@ def sft(
     demos, built = [], {}
     try:
         for name in names:
-            pool = registry.samples(name, TRAIN_SPLITS[name], envs)[:samples]
+            pool = registry.samples(name, TRAIN_SPLITS[name], envs)[:settings.samples[name]]
             found, failed = asyncio.run(demonstrations(name, registry.environment(name, envs), pool,
                                                        registry.family(name).golden, encoder))
             demos += found
@@ -150,7 +170,8 @@ def sft(
     # Fine-tuning, in float32 (the CPU engine serves float32).
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else encoder.eos_token_id
-    steps = -(-len(demos) // settings.batch_size) * settings.epochs
+    per_family = Counter(d.family for d in demos).values()
+    steps = settings.epochs * sum(-(-count // settings.batch_size) for count in per_family)
     bar = tqdm(total=steps, desc="sft", unit="step", file=sys.stderr, disable=True if quiet else None)
 
     def on_step(step: int, loss: float) -> None:

@@ -10,16 +10,18 @@ import json
 import numpy as np
 import pytest
 import torch
+from transformers import Qwen2ForCausalLM
 from typer.testing import CliRunner
 
 from env_workers.chat_template import ChatEncoder
 from env_workers.envs import calc, registry
 from env_workers.envs.base import EnvSettings
 from env_workers.tool_parser import parse_tool_calls
+from learner.microbatch import MicroBatch, make_micro_batches
 from pipeline.demonstrations import Demonstration, demonstrations, oracle_episode, tokenize
 from pipeline.model_cmd import app
-from pipeline.model_init import build_tokenizer
-from pipeline.sft import SftSettings, batches, lr_at, masked_token_losses
+from pipeline.model_init import PolicyModelSettings, build_config, build_tokenizer, init_model
+from pipeline.sft import SftSettings, batches, lr_at, masked_token_losses, shared_prefix_length, suffix_logits
 
 SETTINGS = EnvSettings()
 
@@ -137,10 +139,18 @@ def test_sft_loss_ignores_every_token_outside_the_mask():
     assert before[0, [0, 1, 4]].abs().sum() == 0
 
 
-def test_every_demonstration_is_trained_once_per_epoch_and_the_lr_warms_up_then_decays():
-    settings = SftSettings(epochs=3, batch_size=4, warmup_steps=2, lr=1.0, min_lr_ratio=0.1)
-    plan = batches(10, settings, np.random.default_rng(0))
-    assert len(plan) == 9 and all(sorted(sum(plan[e * 3:e * 3 + 3], [])) == list(range(10)) for e in range(3))
+def test_every_demonstration_is_trained_once_per_epoch_in_steps_of_one_family():
+    families = ["calc"] * 10 + ["kg"] * 5
+    plan = batches(families, SftSettings(epochs=3, batch_size=4), np.random.default_rng(0))
+    assert len(plan) == 3 * (3 + 2)
+    for epoch in range(3):
+        assert sorted(sum(plan[epoch * 5:epoch * 5 + 5], [])) == list(range(15))
+    assert all(len({families[i] for i in step}) == 1 and len(step) <= 4 for step in plan)
+    assert {families[step[0]] for step in plan[:5]} == {"calc", "kg"}
+
+
+def test_the_lr_warms_up_then_decays():
+    settings = SftSettings(warmup_steps=2, lr=1.0, min_lr_ratio=0.1)
     rates = [lr_at(step, 9, settings) for step in range(9)]
     assert rates[:2] == [0.5, 1.0]
     assert rates[1:] == sorted(rates[1:], reverse=True) and rates[-1] >= 0.1
@@ -156,3 +166,50 @@ def test_sft_rejects_an_unknown_family_in_one_line(tmp_path):
 
 def test_demonstration_target_tokens_count_the_mask():
     assert Demonstration("calc", "x", [1, 2, 3, 4], [0, 1, 1, 0]).target_tokens == 2
+
+
+def _rows(*rows: tuple[list[int], list[int]]) -> MicroBatch:
+    items = [(np.asarray(ids), np.asarray(mask), np.zeros(len(ids)), 0.0) for ids, mask in rows]
+    (micro,) = make_micro_batches(items, 10_000, pad_token_id=0)
+    return micro
+
+
+def test_shared_prefix_stops_where_rows_differ_or_where_a_target_is_predicted():
+    differ = _rows(([5, 6, 7, 8, 9], [0, 0, 0, 0, 1]), ([5, 6, 3, 8, 9, 9], [0, 0, 0, 0, 1, 1]))
+    assert shared_prefix_length(differ) == 2
+    # Identical up to the end: the prefix ends at the position that predicts the first target (token 3).
+    same = _rows(([5, 6, 7, 8, 9], [0, 0, 0, 1, 1]), ([5, 6, 7, 8, 9], [0, 0, 0, 0, 1]))
+    assert shared_prefix_length(same) == 2
+
+
+def test_running_the_shared_prefix_once_gives_the_loss_and_gradients_of_a_full_forward(tokenizer):
+    settings = PolicyModelSettings(hidden_size=64, num_layers=2, num_heads=1, num_kv_heads=1, intermediate_size=128)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(build_config(settings, tokenizer))
+    prompt = list(range(40, 70))
+    micro = _rows((prompt + [71, 72, 73, 74], [0] * 31 + [1, 1, 1]), (prompt + [75, 76], [0] * 31 + [1]),
+                  (prompt + [77, 78, 79], [0] * 31 + [1, 1]))
+    ids = torch.from_numpy(micro.input_ids)
+
+    full = masked_token_losses(model(input_ids=ids, attention_mask=torch.from_numpy(micro.attention_mask)).logits,
+                               ids, torch.from_numpy(micro.loss_mask)).sum()
+    full.backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+
+    prefix_len = shared_prefix_length(micro)
+    assert prefix_len == 30
+    shared = masked_token_losses(suffix_logits(model, micro, prefix_len), ids[:, prefix_len:],
+                                 torch.from_numpy(micro.loss_mask[:, prefix_len:])).sum()
+    shared.backward()
+    assert torch.isclose(shared, full, rtol=1e-5)
+    for got, want in zip((p.grad for p in model.parameters()), expected):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_sft_rejects_samples_that_leave_a_family_without_a_count_in_one_line(tmp_path):
+    init_model(PolicyModelSettings(num_layers=1), tmp_path / "policy")
+    result = CliRunner().invoke(app, ["sft", "--model", str(tmp_path / "policy"), "--out", str(tmp_path / "out"),
+                                      "--families", "calc,kg", "--samples", "calc=8"])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == ["rollstream model sft: --samples names no count for kg"]
