@@ -128,11 +128,13 @@ def run_eval(cfg: RollstreamConfig, model_dir: Path, version: int, sources: tupl
             if time.monotonic() - started > timeout_s:
                 raise RunFailed(f"only {done} of {len(requests)} trajectories after {timeout_s:.0f} s")
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        for s in previous:  # a repeated Ctrl-C must not cut the shutdown short
+            signal.signal(s, signal.SIG_IGN)
         stack.stop(say)
         if follower is not None:
             follower.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     trajs = evaluation.dedup(follower.view.validation_done[0])
     return {"run": run, "version": version, "n": n, "episodes": len(trajs),
             "duration_s": round(time.monotonic() - started, 1),

@@ -272,11 +272,14 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
         outcome = "interrupted"
         say("interrupted: stopping every process of the run")
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        # A second Ctrl-C or SIGTERM (a supervisor repeating it) must not cut the shutdown short.
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
         codes = stack.stop(say)
         if follower is not None:
             follower.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     with follower.lock if follower else _nullcontext():
         snapshot = follower.view.snapshot(int(time.time() * 1000)) if follower else {}
     return {"run": run, "outcome": outcome, "started_at": _iso(started), "duration_s": round(time.time() - started, 1),
