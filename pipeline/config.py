@@ -125,6 +125,14 @@ class RollstreamConfig(BaseSettings):
     runs_dir: Path = Path("runs")
     """Where each run's folder (logs, report, figures) is written."""
 
+    def run_dir(self, run: str) -> Path:
+        """runs/<run>/: a relative runs_dir is taken from the repository root, not the working directory."""
+        return (self.runs_dir if self.runs_dir.is_absolute() else REPO_ROOT / self.runs_dir) / run
+
+    def policy_dir(self) -> Path:
+        """The policy checkpoint directory, a relative policy.path taken from the repository root."""
+        return self.policy.path if self.policy.path.is_absolute() else REPO_ROOT / self.policy.path
+
     @model_validator(mode="after")
     def _components_agree(self) -> RollstreamConfig:
         # Settings that two components must share are set once; these are the ones that are not.

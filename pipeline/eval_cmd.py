@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import time
 from pathlib import Path
 
@@ -24,14 +23,14 @@ from env_workers.envs import registry
 from learner.manifest import ShardIntegrityError, read_version
 from learner.publish import manifest_uri
 from pipeline import evaluation
-from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
+from pipeline.config import RollstreamConfig, load_config
 from pipeline.dispatcher_logic import TaskSource, validation_requests
 from pipeline.engine.launch import free_port
 from pipeline.engine.updates import download_version
 from pipeline.env_cmd import env_settings
 from pipeline.sft import EVAL_SPLITS, WEIGHT_SUFFIXES
 from pipeline.run_view import RunView
-from pipeline.up import Interrupted, RunFailed, RunFollower, Stack, raise_interrupted, start_engines
+from pipeline.up import Interrupted, RunFailed, RunFollower, Stack, catch_interrupts, shut_down, start_engines
 from pipeline.up_plan import env_worker_children, streams_app_id, streams_child
 from schemas import objectstore, topics
 from schemas.bus import EventProducer, now_ms
@@ -87,7 +86,7 @@ def validation_sources(families: list[str], split: str,
 def run_eval(cfg: RollstreamConfig, model_dir: Path, version: int, sources: tuple[TaskSource, ...], n: int,
              console: Console, timeout_s: float) -> dict:
     run = time.strftime("eval-%Y%m%d-%H%M%S")
-    run_dir = (cfg.runs_dir if cfg.runs_dir.is_absolute() else REPO_ROOT / cfg.runs_dir) / run
+    run_dir = cfg.run_dir(run)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
     def say(line: str) -> None:
@@ -95,7 +94,7 @@ def run_eval(cfg: RollstreamConfig, model_dir: Path, version: int, sources: tupl
 
     stack = Stack(run_dir / "logs")
     follower = None
-    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = catch_interrupts()
     requests = validation_requests(run, sources, n, 0, version, now_ms())
     started = time.monotonic()
     try:
@@ -128,13 +127,7 @@ def run_eval(cfg: RollstreamConfig, model_dir: Path, version: int, sources: tupl
             if time.monotonic() - started > timeout_s:
                 raise RunFailed(f"only {done} of {len(requests)} trajectories after {timeout_s:.0f} s")
     finally:
-        for s in previous:  # a repeated Ctrl-C must not cut the shutdown short
-            signal.signal(s, signal.SIG_IGN)
-        stack.stop(say)
-        if follower is not None:
-            follower.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        shut_down(stack, follower, previous, say)
     trajs = evaluation.dedup(follower.view.validation_done[0])
     return {"run": run, "version": version, "n": n, "episodes": len(trajs),
             "duration_s": round(time.monotonic() - started, 1),
@@ -184,11 +177,11 @@ def eval_checkpoint(
     elif checkpoint.isdigit():
         if not run:
             _fail("--checkpoint VERSION needs --run (the run that trained it)")
-        base = cfg.policy.path if cfg.policy.path.is_absolute() else REPO_ROOT / cfg.policy.path
+        base = cfg.policy_dir()
         if not (base / "config.json").is_file():
             _fail(f"the policy {base} (policy.path) is needed for the tokenizer and config of version {checkpoint}")
         version = int(checkpoint)
-        out = (cfg.runs_dir if cfg.runs_dir.is_absolute() else REPO_ROOT / cfg.runs_dir) / run / "checkpoints"
+        out = cfg.run_dir(run) / "checkpoints"
         model_dir = materialize_version(cfg, run, version, base, out)
     else:
         _fail(f"--checkpoint {checkpoint!r} is neither a checkpoint directory (with config.json) nor a version number")

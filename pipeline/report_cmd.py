@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
+from pipeline.config import RollstreamConfig, load_config
 from pipeline.report import build_report
 from schemas import topics
 
@@ -65,7 +65,7 @@ def report(
         rollstream report --run r1 --out runs/r1 --json
     """
     cfg = load_config(config)
-    out_dir = out if out is not None else run_folder(cfg, run)
+    out_dir = out if out is not None else cfg.run_dir(run)
     try:
         summary = write_report(cfg, run, out_dir, progress=not quiet and sys.stderr.isatty(),
                                show_config=config is not None, since=since)
@@ -79,11 +79,6 @@ def report(
 
 class NoEvents(ValueError):
     """The run has no events to report on."""
-
-
-def run_folder(cfg: RollstreamConfig, run: str) -> Path:
-    """runs/<run>/ (cfg.runs_dir, relative to the repository)."""
-    return (cfg.runs_dir if cfg.runs_dir.is_absolute() else REPO_ROOT / cfg.runs_dir) / run
 
 
 def write_report(cfg: RollstreamConfig, run: str, out_dir: Path, *, progress: bool = False,

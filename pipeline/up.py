@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.live import Live
 
 from pipeline.config import REPO_ROOT, RollstreamConfig
-from pipeline.engine.launch import EngineProcess, free_port, launch_engine
+from pipeline.engine.launch import EngineProcess, free_port, launch_engine, stop_process_group
 from pipeline.env_cmd import env_settings
 from pipeline.run_view import RunView, render
 from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
@@ -75,15 +75,9 @@ class RunningChild:
 
     def stop(self, timeout_s: float) -> int | None:
         """SIGTERM to its process group, SIGKILL after timeout_s; its exit status."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        code = stop_process_group(self.process, timeout_s)
         self.log.close()
-        return self.process.returncode
+        return code
 
 
 class RunFollower(threading.Thread):
@@ -135,7 +129,7 @@ def default_run_id() -> str:
 
 def ensure_policy(cfg: RollstreamConfig, log_dir: Path, say: Callable[[str], None]) -> Path:
     """The configured checkpoint; made as the default policy (init, then SFT) when it does not exist."""
-    path = cfg.policy.path if cfg.policy.path.is_absolute() else REPO_ROOT / cfg.policy.path
+    path = cfg.policy_dir()
     if (path / "config.json").is_file():
         return path
     if path.exists() and any(path.iterdir()):
@@ -182,6 +176,26 @@ def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
 
 def raise_interrupted(*_: object) -> None:
     raise Interrupted
+
+
+def catch_interrupts() -> dict[int, Any]:
+    """From here on Ctrl-C and SIGTERM raise Interrupted; returns the handlers they replace."""
+    return {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def shut_down(stack: Stack, follower: RunFollower | None, previous: dict[int, Any],
+              say: Callable[[str], None]) -> dict[str, int | None]:
+    """Stops the run's processes and its follower, then puts the previous signal handlers back.
+    Meanwhile the signals are ignored: a second Ctrl-C, or a supervisor repeating SIGTERM, must not
+    cut the shutdown short and leave engines running."""
+    for s in previous:
+        signal.signal(s, signal.SIG_IGN)
+    codes = stack.stop(say)
+    if follower is not None:
+        follower.stop()
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+    return codes
 
 
 class Stack:
@@ -235,7 +249,7 @@ class Stack:
 def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = True,
            final_eval_timeout_s: float = 900.0) -> dict[str, Any]:
     """Runs one training run to its end (or Ctrl-C); returns its summary. The report is built by the caller."""
-    run_dir = (cfg.runs_dir if cfg.runs_dir.is_absolute() else REPO_ROOT / cfg.runs_dir) / run
+    run_dir = cfg.run_dir(run)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
@@ -243,7 +257,7 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
     def say(line: str) -> None:
         console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}", soft_wrap=True)
 
-    previous = {s: signal.signal(s, raise_interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = catch_interrupts()
     started = time.time()
     stack = Stack(log_dir, cfg.max_restarts)
     follower: RunFollower | None = None
@@ -272,14 +286,7 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
         outcome = "interrupted"
         say("interrupted: stopping every process of the run")
     finally:
-        # A second Ctrl-C or SIGTERM (a supervisor repeating it) must not cut the shutdown short.
-        for s in previous:
-            signal.signal(s, signal.SIG_IGN)
-        codes = stack.stop(say)
-        if follower is not None:
-            follower.stop()
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        codes = shut_down(stack, follower, previous, say)
     with follower.lock if follower else _nullcontext():
         snapshot = follower.view.snapshot(int(time.time() * 1000)) if follower else {}
     return {"run": run, "outcome": outcome, "started_at": _iso(started), "duration_s": round(time.time() - started, 1),

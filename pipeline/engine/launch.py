@@ -14,6 +14,19 @@ from pathlib import Path
 import httpx
 
 
+def stop_process_group(process: subprocess.Popen, timeout_s: float) -> int:
+    """SIGTERM to the process group a process leads (it was started with start_new_session), SIGKILL
+    after timeout_s; its exit status."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    return process.returncode
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -51,14 +64,7 @@ class EngineProcess:
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the whole process group (supervisor and vLLM), SIGKILL if it lingers."""
-        if self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
+        stop_process_group(self.process, timeout_s)
 
 
 def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port: int | None = None,

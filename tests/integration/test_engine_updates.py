@@ -42,6 +42,7 @@ from pipeline.model_init import PolicyModelSettings, init_model
 from schemas import objectstore, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.weight_layout import MANIFEST_FILE, plan_buckets
+from pipeline.engine.launch import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -65,19 +66,11 @@ class Engine:
     weights: dict[int, dict[str, torch.Tensor]]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def engine(infra, tmp_path_factory) -> Iterator[Engine]:
     model_dir = tmp_path_factory.mktemp("policy")
     init_model(TINY, model_dir)
-    run, engine_id, port = f"engine-test-{uuid.uuid4().hex[:8]}", f"current-{uuid.uuid4().hex[:8]}", _free_port()
+    run, engine_id, port = f"engine-test-{uuid.uuid4().hex[:8]}", f"current-{uuid.uuid4().hex[:8]}", free_port()
     heartbeats = EventConsumer(infra.kafka, f"test-heartbeats-{engine_id}", [topics.ENGINES], auto_offset_reset="latest")
     heartbeats.poll(2.0)  # join the group before the engine's first heartbeat
     log_path = model_dir.parent / "engine.log"
@@ -252,7 +245,7 @@ def test_broadcast_update_lets_requests_in_flight_finish_on_the_old_weights(engi
     # same bucket layout (a different order would be a collective mismatch).
     weights = dict(sorted(_random_weights(engine, seed=2).items()))
     safetensors.torch.save_file(weights, tmp_path / "v2.safetensors")
-    port = _free_port()
+    port = free_port()
     sender = subprocess.Popen([sys.executable, "-c", SENDER, str(tmp_path / "v2.safetensors"), str(port),
                                str(BUCKET_BYTES)], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     control = EngineControl(engine.url)

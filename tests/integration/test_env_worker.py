@@ -21,7 +21,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from schemas import samples, topics
 from schemas.arrays import unpack_ids, unpack_mask
 from schemas.bus import EventConsumer, EventProducer
 from schemas.ids import group_id, trajectory_id
+from pipeline.engine.launch import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -57,12 +57,6 @@ START_TIMEOUT_S = 240
 QUIET_S = 1.5  # a final drain: the worker has stopped, so 1.5 s without an event means none is coming
 LOOP = AgentLoopSettings(max_turns=3, max_total_len=3072, max_new_tokens=24, engine_retry_backoff_s=0.5)
 DOCUMENTED = {"completed", "task_limit_reached", "agent_context_limit", "agent_validation_failed", "task_error"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -75,7 +69,7 @@ class Engine:
 def engine(tmp_path_factory) -> Iterator[Engine]:
     model_dir = tmp_path_factory.mktemp("policy")
     init_model(PolicyModelSettings(), model_dir)
-    port = _free_port()
+    port = free_port()
     log_path = model_dir.parent / "vllm.log"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--host", "127.0.0.1",
@@ -254,7 +248,7 @@ class Relay:
     """
 
     def __init__(self, target_port: int) -> None:
-        self.target_port, self.port = target_port, _free_port()
+        self.target_port, self.port = target_port, free_port()
         self.server: asyncio.base_events.Server | None = None
         self.writers: set[asyncio.StreamWriter] = set()
         self.requested = asyncio.Event()

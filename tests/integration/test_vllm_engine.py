@@ -12,7 +12,6 @@ import asyncio
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from env_workers.engine_client import EngineClient, completion_request
 from env_workers.settings import AgentLoopSettings
 from pipeline.model_init import PolicyModelSettings, init_model
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
+from pipeline.engine.launch import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -53,18 +53,12 @@ class Engine:
     start_s: float
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory) -> Iterator[Engine]:
     """The default policy, initialized in a temporary directory and served by one vLLM CPU engine."""
     model_dir = tmp_path_factory.mktemp("policy")
     init_model(PolicyModelSettings(), model_dir)
-    port = _free_port()
+    port = free_port()
     log_path = model_dir.parent / "vllm.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),

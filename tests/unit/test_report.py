@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ from pipeline.report import (
 )
 from pipeline.report_cmd import app as report_app
 from pipeline.report_cmd import events_from_records, print_summary
+from pipeline.replay_logic import ReplayRecord
 from schemas import arrays, codec, topics
 from schemas.ids import batch_id, group_id, trajectory_id
 
@@ -267,21 +267,9 @@ def test_learner_series_keeps_stepped_metrics_and_the_last_value_of_a_step() -> 
     assert learner_series(metrics, ["actor/pg_clipfrac"]) == {"actor/pg_clipfrac": ([1, 2], [0.2, 0.3])}
 
 
-@dataclass(frozen=True)
-class Record:
-    """The fields of pipeline.replay.ReplayRecord that the report command reads."""
-
-    topic: str
-    partition: int
-    offset: int
-    timestamp_ms: int
-    key: bytes | None
-    value: dict[str, Any]
-
-
 def test_replayed_records_become_events_with_their_record_time() -> None:
     value = metric("actor/loss", 1.0, 1, T0)
-    events = events_from_records({topics.METRICS: [Record(topics.METRICS, 0, 5, T0 + 7, b"actor/loss", value)],
+    events = events_from_records({topics.METRICS: [ReplayRecord(topics.METRICS, 0, 5, T0 + 7, b"actor/loss", value)],
                                   topics.STEPS: []})
     assert events == {topics.METRICS: [{**value, "_timestamp_ms": T0 + 7}], topics.STEPS: []}
 
