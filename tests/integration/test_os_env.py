@@ -23,6 +23,10 @@ BWRAP_GOLDEN_FAILS = {
     "data/6/new-00006", "data/6/new-00008", "data/7/bootstrap-00000", "data/7/bootstrap-00015",
     "data/7/bootstrap-00047",
 }
+# Counts taken at an instant: the agent's answer and the checker's recount run a moment apart, and a
+# pipeline's forked-but-not-yet-exec'd children show as `bash` (00001), the host's memory use moves
+# (00008). Their golden passes most runs and fails some, on any backend: not asserted either way.
+TIMING_DEPENDENT = {"data/7/bootstrap-00001", "data/7/bootstrap-00008"}
 # Docker containers have a read-only root (size-bounded tmpfs only at /tmp, /root, /home, ...):
 # init scripts that write to /, /usr or /etc fail there (measured on every 6th task).
 DOCKER_SAMPLE_GOLDEN_FAILS = {
@@ -75,7 +79,7 @@ def test_golden_passes_and_noop_fails_on_all_os_tasks_under_bwrap() -> None:
     samples = list(registry.samples("os", "test", EnvSettings()))
     assert len(samples) == 114
     golden_fails, noop_passes = _check(SandboxSettings(backend="bwrap"), samples)
-    assert golden_fails == BWRAP_GOLDEN_FAILS
+    assert golden_fails - TIMING_DEPENDENT == BWRAP_GOLDEN_FAILS
     assert noop_passes == set()
 
 
@@ -83,5 +87,5 @@ def test_golden_and_noop_on_a_fixed_sample_under_docker() -> None:
     subprocess.run([REPO_ROOT / "infra" / "sandbox" / "dockerd.sh", "start"], check=True)
     samples = list(registry.samples("os", "test", EnvSettings()))[::6]
     golden_fails, noop_passes = _check(SandboxSettings(backend="docker", docker_host=DOCKER_HOST), samples)
-    assert golden_fails == DOCKER_SAMPLE_GOLDEN_FAILS
+    assert golden_fails - TIMING_DEPENDENT == DOCKER_SAMPLE_GOLDEN_FAILS
     assert noop_passes == set()
