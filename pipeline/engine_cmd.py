@@ -168,7 +168,8 @@ def engine(
     env = {**os.environ, INITIAL_VERSION_ENV: str(initial_version)}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
     command = vllm_command(str(model), host=host, port=port, max_model_len=settings.max_model_len,
-                           dtype="auto" if on_gpu else "float32", enforce_eager=not on_gpu)
+                           dtype="auto" if on_gpu else "float32", enforce_eager=not on_gpu,
+                           chunked_prefill=on_gpu)
     # vLLM's own log goes to our stderr; the server gets its own session so SIGTERM reaches its children.
     server = subprocess.Popen(command, stdout=sys.stderr, stderr=sys.stderr, env=env, start_new_session=True)
     stopping = {"flag": False}

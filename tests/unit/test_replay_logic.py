@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -146,7 +147,7 @@ def test_consistent_synthetic_run_verifies_clean(run):
 def test_report_is_json_serializable_and_says_ok(run):
     data = json.loads(json.dumps(verify(run, run=RUN).as_dict()))
     assert data["ok"] is True and data["mismatches"] == 0
-    assert data["settings"] == {"std": "bessel", "eps": 1e-6, "tolerance": 1e-4}
+    assert data["settings"] == {"std": "bessel", "eps": 1e-6, "tolerance": 1e-4, "logprob_tolerance": 1e-4}
     assert data["checks"][0]["name"] == "trajectory_ids_unique"
 
 
@@ -236,6 +237,43 @@ def test_trajectory_id_with_two_contents_is_reported(run):
     found = failing(run)
     assert set(found) == {"trajectory_ids_unique"}
     assert found["trajectory_ids_unique"][0].ids == {"trajectory_id": first.value["trajectory_id"]}
+
+
+def _rerolled(records, first: ReplayRecord, offset: int, shift: float) -> None:
+    """A re-rollout of `first` on the same weights whose log-probs are `shift` away, with its steps events."""
+    again = copy.deepcopy(first.value)
+    logprobs = arrays.unpack_logprobs(again["rollout_logprobs"])
+    mask = arrays.unpack_mask(again["loss_mask"]) == 1
+    again["rollout_logprobs"] = arrays.pack_logprobs(np.where(mask, logprobs + shift, logprobs).astype(np.float32))
+    records[topics.TRAJECTORIES].append(ReplayRecord(topics.TRAJECTORIES, 0, offset, 0, first.key, again))
+    for step in [r for r in records[topics.STEPS] if r.value["trajectory_id"] == again["trajectory_id"]]:
+        copied = copy.deepcopy(step.value)
+        copied["output_logprobs"] = arrays.pack_logprobs(
+            (arrays.unpack_logprobs(copied["output_logprobs"]) + shift).astype(np.float32))
+        records[topics.STEPS].append(ReplayRecord(topics.STEPS, 0, offset, 0, step.key, copied))
+
+
+def test_copies_whose_logprobs_differ_by_batching_noise_are_the_same_but_not_by_more(run):
+    first = run[topics.TRAJECTORIES][0]
+    _rerolled(run, first, 98, 5e-7)
+    assert failing(run) == {}
+    _rerolled(run, first, 99, -0.01)
+    assert set(failing(run)) == {"trajectory_ids_unique"}
+
+
+def test_rerollout_on_newer_weights_may_differ_and_is_counted(run):
+    first = run[topics.TRAJECTORIES][0]
+    later = copy.deepcopy(first.value)
+    later["reward"] = 0.25
+    later["turns"] = [{**u, "weight_version": u["weight_version"] + 1} for u in later["turns"]]
+    assert later["turns"], "the fixture's trajectory has turns"
+    run[topics.TRAJECTORIES].append(ReplayRecord(topics.TRAJECTORIES, 0, 99, 0, first.key, later))
+    for i, step in enumerate([r for r in run[topics.STEPS] if r.value["trajectory_id"] == first.value["trajectory_id"]]):
+        again = {**copy.deepcopy(step.value), "weight_version": step.value["weight_version"] + 1}
+        run[topics.STEPS].append(ReplayRecord(topics.STEPS, 0, 99 + i, 0, step.key, again))
+    report = verify(run, run=RUN)
+    assert {c.name: c.mismatches for c in report.checks if c.mismatches} == {}
+    assert report.not_checked["rerolled_on_newer_weights"] == 1
 
 
 def test_duplicate_with_equal_content_but_other_worker_is_fine(run):
