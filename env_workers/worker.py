@@ -42,7 +42,7 @@ from env_workers.envs import registry
 from env_workers.envs.base import Environment
 from env_workers.worker_settings import EnvWorkerSettings
 from schemas import topics
-from schemas.bus import ConsumedEvent, EventConsumer, EventProducer, dead_letter
+from schemas.bus import ConsumedEvent, EventConsumer, EventProducer, commit_retrying, dead_letter
 from schemas.codec import codec
 from schemas.ids import trajectory_id
 from schemas.settings import KafkaSettings
@@ -118,7 +118,7 @@ class _TaskConsumer(EventConsumer):
             (self._consumer.pause if paused else self._consumer.resume)(targets)
 
     def commit_positions(self, positions: dict[Partition, int]) -> None:
-        self._consumer.commit(offsets=[TopicPartition(t, p, o) for (t, p), o in positions.items()], asynchronous=False)
+        commit_retrying(self._consumer, [TopicPartition(t, p, o) for (t, p), o in positions.items()])
 
 
 @dataclass

@@ -44,18 +44,23 @@ def _fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code=code)
 
 
+class VersionUnavailable(RuntimeError):
+    """A staged version that is damaged or no longer in the object store."""
+
+
 def materialize_version(cfg: RollstreamConfig, run: str, version: int, base: Path, out: Path) -> Path:
-    """A servable checkpoint of a run's staged version: `base`'s tokenizer and config, the version's weights."""
+    """A servable checkpoint of a run's staged version: `base`'s tokenizer and config, the version's weights.
+    Raises VersionUnavailable when the object store has no intact copy of it."""
     event = {"manifest_uri": manifest_uri(run, version), "version": version, "shards": []}
     staged = out / "staged"
     try:
         download_version(objectstore.client(cfg.object_store), event, staged)
         _, tensors = read_version(staged)
     except ShardIntegrityError as error:
-        _fail(f"version {version} of run {run} is damaged: {error}", 1)
+        raise VersionUnavailable(f"version {version} of run {run} is damaged: {error}") from None
     except Exception as error:  # the object store answers a missing (pruned) version with S3Error
-        _fail(f"version {version} of run {run} is not in the object store ({error}); the learner keeps only "
-              f"the latest versions: use a checkpoint directory instead", 1)
+        raise VersionUnavailable(f"version {version} of run {run} is not in the object store ({error}); the "
+                                 f"learner keeps only the latest versions: use a checkpoint directory instead") from None
     model_dir = out / f"v{version:06d}"
     model_dir.mkdir(parents=True, exist_ok=True)
     for path in base.iterdir():
@@ -182,7 +187,10 @@ def eval_checkpoint(
             _fail(f"the policy {base} (policy.path) is needed for the tokenizer and config of version {checkpoint}")
         version = int(checkpoint)
         out = cfg.run_dir(run) / "checkpoints"
-        model_dir = materialize_version(cfg, run, version, base, out)
+        try:
+            model_dir = materialize_version(cfg, run, version, base, out)
+        except VersionUnavailable as error:
+            _fail(str(error), 1)
     else:
         _fail(f"--checkpoint {checkpoint!r} is neither a checkpoint directory (with config.json) nor a version number")
     try:

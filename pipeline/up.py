@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import psutil
 from confluent_kafka import Consumer, KafkaError, TopicPartition
 from rich.console import Console
 from rich.live import Live
@@ -246,9 +247,16 @@ class Stack:
         return codes
 
 
+Tick = Callable[["Stack", dict[str, Any]], None]
+"""Called about once a second with the run's processes and its live snapshot (`bench faults` injects
+its faults from here)."""
+
+
 def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = True,
-           final_eval_timeout_s: float = 900.0) -> dict[str, Any]:
-    """Runs one training run to its end (or Ctrl-C); returns its summary. The report is built by the caller."""
+           final_eval_timeout_s: float = 900.0, on_tick: Tick | None = None,
+           done: Callable[[], bool] | None = None) -> dict[str, Any]:
+    """Runs one training run to its end (or Ctrl-C); returns its summary. The report is built by the caller.
+    `done`, when given, must also be true before the run ends (the learner having finished)."""
     run_dir = cfg.run_dir(run)
     log_dir = run_dir / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -281,7 +289,9 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
         stack.start(learner_child(cfg, run, run_dir, model_dir, urls, free_port()))
         stack.start(dispatcher_child(cfg, run))
         say(f"started: {', '.join(c.child.name for c in stack.children)}; training for {cfg.max_steps} steps")
-        outcome = _watch(cfg, run, stack, follower, final_round, console, live, final_eval_timeout_s, say)
+        restart = EngineRestarter(cfg, run, run_dir, model_dir, say)
+        outcome = _watch(cfg, run, stack, follower, final_round, console, live, final_eval_timeout_s, say,
+                         restart, on_tick, done)
     except Interrupted:
         outcome = "interrupted"
         say("interrupted: stopping every process of the run")
@@ -294,6 +304,73 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
             "exit_codes": codes, "final_validation_round": final_round, "progress": snapshot}
 
 
+def stop_listener(port: int) -> None:
+    """Kills the process group of whatever still listens on `port` on this machine: a killed engine
+    supervisor leaves its vLLM server running (the server has its own session, so that the
+    supervisor can stop all of vLLM's processes), holding the port the engine restarts on."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+            try:
+                os.killpg(os.getpgid(conn.pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+            c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp")):
+        time.sleep(0.2)
+
+
+class EngineRestarter:
+    """Starts an engine that died again, on the version its pool should hold: the learner's latest
+    for the current pool, the last multiple of stale_step for the stale one (fetched from the object
+    store, as `rollstream eval` does). Later versions reach it through `weights` as usual. At most
+    max_restarts times per engine; meanwhile the others serve (env workers skip an engine whose
+    heartbeat went stale)."""
+
+    def __init__(self, cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
+                 say: Callable[[str], None]) -> None:
+        self.cfg, self.run, self.run_dir, self.model_dir, self.say = cfg, run, run_dir, model_dir, say
+
+    def version_for(self, pool: str, learner_version: int) -> int:
+        step = self.cfg.streams.stale_step
+        return learner_version if pool == "current" else learner_version // step * step
+
+    def dead_engines(self, stack: Stack, learner_version: int) -> None:
+        for i, e in enumerate(stack.engines):
+            code = e.process.poll()
+            if code is None:
+                continue
+            used = stack.restarts.get(e.engine_id, 0)
+            if used >= self.cfg.max_restarts:
+                raise RunFailed(f"engine {e.engine_id} exited with {code}"
+                                f"{f' after {used} restarts' if used else ''}:\n{e.log_tail()}")
+            stack.restarts[e.engine_id] = used + 1
+            version = self.version_for(e.pool, learner_version)
+            self.say(f"engine {e.engine_id} exited with {code}: restarting it on version {version} "
+                     f"({used + 1} of {self.cfg.max_restarts})")
+            stack.engines[i] = self._start(e, version)
+
+    def _start(self, dead: EngineProcess, version: int) -> EngineProcess:
+        from pipeline.eval_cmd import VersionUnavailable, materialize_version  # object store clients: only here
+
+        model_dir, extra = self.model_dir, ()
+        if version > 0:
+            try:
+                model_dir = materialize_version(self.cfg, self.run, version, self.model_dir,
+                                                self.run_dir / "engines" / f"{dead.engine_id}.restart")
+                extra = ("--initial-version", str(version))
+            except VersionUnavailable as error:
+                raise RunFailed(f"engine {dead.engine_id} cannot restart on version {version}: {error}") from None
+        # On its old port: the learner's broadcast targets and the env workers' routes stay valid.
+        port = int(dead.url.rsplit(":", 1)[1])
+        stop_listener(port)
+        engine = launch_engine(pool=dead.pool, model_dir=model_dir, run=self.run, work_dir=self.run_dir / "engines",
+                               port=port, engine_id=dead.engine_id,
+                               extra_args=engine_args(self.cfg) + extra, cwd=REPO_ROOT,
+                               bind_host=self.cfg.engines.bind_host, advertise_host=self.cfg.engines.advertise_host)
+        return engine
+
+
 class _nullcontext:
     def __enter__(self) -> None:
         return None
@@ -303,7 +380,8 @@ class _nullcontext:
 
 
 def _watch(cfg: RollstreamConfig, run: str, stack: Stack, follower: RunFollower, final_round: int | None,
-           console: Console, live: bool, final_eval_timeout_s: float, say: Callable[[str], None]) -> str:
+           console: Console, live: bool, final_eval_timeout_s: float, say: Callable[[str], None],
+           restart: EngineRestarter, on_tick: Tick | None, done: Callable[[], bool] | None) -> str:
     """Shows progress until the learner is done and the final validation is back; raises RunFailed
     when a process dies on its own."""
     learner_done_at: float | None = None
@@ -321,15 +399,19 @@ def _watch(cfg: RollstreamConfig, run: str, stack: Stack, follower: RunFollower,
                 learner_done_at = time.monotonic()
                 say(f"learner finished {cfg.max_steps} steps; waiting for validation round {final_round}")
             stack.supervise(say, finished=("learner",))
-            for e in stack.engines:
-                if e.process.poll() is not None:
-                    raise RunFailed(f"engine {e.engine_id} exited with {e.process.returncode}:\n{e.log_tail()}")
+            restart.dead_engines(stack, snap["learner_version"])
+            if on_tick is not None:
+                on_tick(stack, snap)
             if learner_done_at is not None:
-                if final_done:
+                caller_done = done is None or done()
+                if final_done and caller_done:
                     return "finished"
                 if time.monotonic() - learner_done_at > final_eval_timeout_s:
-                    say(f"final validation round {final_round} incomplete after {final_eval_timeout_s:.0f} s")
-                    return "final validation incomplete"
+                    if not final_done:
+                        say(f"final validation round {final_round} incomplete after {final_eval_timeout_s:.0f} s")
+                        return "final validation incomplete"
+                    say(f"stopping {final_eval_timeout_s:.0f} s after the learner finished")
+                    return "finished"
 
 
 def summary_json(summary: dict[str, Any]) -> str:

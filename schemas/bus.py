@@ -75,8 +75,9 @@ class EventProducer:
                 self._producer.poll(0.1)
         self._producer.poll(0)
 
-    def flush(self, timeout: float = 30.0) -> None:
-        """Blocks until every queued event is acknowledged; raises DeliveryError otherwise."""
+    def flush(self, timeout: float = 120.0) -> None:
+        """Blocks until every queued event is acknowledged; raises DeliveryError otherwise. The default
+        outlasts a broker restart (about 30 s here, then leaders are re-elected)."""
         remaining = self._producer.flush(timeout)
         if remaining:
             raise DeliveryError(f"{remaining} events not acknowledged within {timeout} s")
@@ -120,6 +121,35 @@ def dead_letter(*, topic: str, partition: int, offset: int, key: bytes | None, v
     }
 
 
+# Commit errors a broker restart or a coordinator move causes: the commit goes through once the
+# group's coordinator is found again.
+TRANSIENT_COMMIT_ERRORS = frozenset({
+    KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE, KafkaError.COORDINATOR_LOAD_IN_PROGRESS,
+    KafkaError.REQUEST_TIMED_OUT, KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._WAIT_COORD,
+    KafkaError.NETWORK_EXCEPTION,
+})
+
+
+def commit_retrying(consumer: Consumer, offsets: list[TopicPartition] | None = None, timeout_s: float = 120.0) -> None:
+    """A synchronous commit that rides out a broker restart: transient coordinator errors are retried
+    for up to timeout_s; any other error (a rebalance took the partitions: ILLEGAL_GENERATION,
+    UNKNOWN_MEMBER_ID) is raised at once."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if offsets is None:
+                consumer.commit(asynchronous=False)
+            else:
+                consumer.commit(offsets=offsets, asynchronous=False)
+            return
+        except KafkaException as e:
+            error = e.args[0] if e.args and isinstance(e.args[0], KafkaError) else None
+            transient = error is not None and (error.code() in TRANSIENT_COMMIT_ERRORS or error.retriable())
+            if not transient or time.monotonic() > deadline:
+                raise
+            time.sleep(1.0)
+
+
 class EventConsumer:
     """Consumes topics in one consumer group and yields decoded events.
 
@@ -152,6 +182,11 @@ class EventConsumer:
         meta = self._consumer.list_topics(topic, timeout=10)
         return {p: self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
                 for p in meta.topics[topic].partitions}
+
+    def committed(self, topic: str) -> dict[int, int]:
+        """The group's committed offset of every partition of `topic` that has one."""
+        parts = [TopicPartition(topic, p) for p in self.end_offsets(topic)]
+        return {tp.partition: tp.offset for tp in self._consumer.committed(parts, timeout=10) if tp.offset >= 0}
 
     def assign(self, offsets: dict[str, dict[int, int]]) -> None:
         """Reads exactly these partitions from these offsets ({topic: {partition: offset}}),
@@ -192,14 +227,13 @@ class EventConsumer:
     def commit(self, events: Iterable[ConsumedEvent] | None = None) -> None:
         """Commits (synchronously) past the given events, or past everything polled so far."""
         if events is None:
-            self._consumer.commit(asynchronous=False)
+            commit_retrying(self._consumer)
             return
         latest: dict[tuple[str, int], int] = {}
         for e in events:
             latest[(e.topic, e.partition)] = max(latest.get((e.topic, e.partition), -1), e.offset)
         if latest:
-            self._consumer.commit(offsets=[TopicPartition(t, p, o + 1) for (t, p), o in latest.items()],
-                                  asynchronous=False)
+            commit_retrying(self._consumer, [TopicPartition(t, p, o + 1) for (t, p), o in latest.items()])
 
     def close(self) -> None:
         self._consumer.close()

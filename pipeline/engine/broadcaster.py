@@ -62,6 +62,16 @@ class PoolBroadcaster:
 
     def _connect(self) -> None:
         controls = [EngineControl(u, timeout_s=self.timeout_s) for u in self.urls]
+        # Every rank must join or the rendezvous waits its whole timeout: an engine that is down
+        # (killed, restarting) fails the pool now, and its engines load from MinIO instead.
+        down = []
+        for url, control in zip(self.urls, controls):
+            try:
+                control.state(timeout_s=10.0)
+            except Exception as e:  # noqa: BLE001 (any failure to answer means down)
+                down.append(f"{url}: {e!r}")
+        if down:
+            raise RuntimeError(f"engines of the {self.pool} pool do not answer: {'; '.join(down)}")
         world = len(self.urls) + 1
         threads, results = _in_threads([
             (lambda c=c, r=r: c.join(self.host, self.port, rank=r, world_size=world, backend=self.backend))

@@ -82,7 +82,7 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
                "--work-dir", str(work_dir / engine_id), "--host", bind_host, *extra_args]
     if advertise_host:
         command += ["--advertise-url", f"http://{advertise_host}:{port}"]
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab") as log:  # an engine started again keeps the log of its previous life
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
                                    start_new_session=True)
     return EngineProcess(pool, engine_id, f"http://127.0.0.1:{port}", process, log_path)
