@@ -42,6 +42,7 @@ from typing import Any, Protocol
 
 from env_workers.chat_template import ChatEncoder, TemplatePrefixError
 from env_workers.engine_client import EngineError, Generation
+from env_workers.latency import step_delay_s
 from env_workers.settings import AgentLoopSettings
 from env_workers.tool_parser import ParsedMessage, parse_error_message, parse_tool_calls
 from schemas.arrays import pack_ids, pack_logprobs, pack_mask
@@ -262,6 +263,8 @@ class _Loop:
             self.history.append({"role": "assistant", "content": text})
             step = dict(turn=turn, planned=planned, pool=pool, generation=generation, started=started,
                         generate_ms=generate_ms, prompt_tokens=prompt_tokens, start=before)
+            if settings.step_latency.enabled:  # a benchmark's slow environment, paid on every turn
+                await self.sleep(step_delay_s(settings.step_latency, self.id, turn))
 
             if not self.close_turn(before, ids):
                 self.add_step(**step, env_ms=0.0, parsed=None, env_status="agent_validation_failed",

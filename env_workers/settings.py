@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from env_workers.latency import StepLatency
+
 
 class AgentLoopSettings(BaseModel):
     """Limits, sampling and failure handling of one multi-turn rollout."""
@@ -26,3 +28,5 @@ class AgentLoopSettings(BaseModel):
     """Not in the paper: first retry delay, doubled at each further retry."""
     engine_timeout_s: float = Field(600.0, gt=0.0)
     """Not in the paper: one completion request's timeout (1024 tokens on a busy CPU engine take minutes)."""
+    step_latency: StepLatency = StepLatency()
+    """Not in the paper: delay added to every environment step, for benchmarks (off by default)."""

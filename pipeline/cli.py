@@ -13,6 +13,8 @@ from pipeline import (
     advantages_cmd,
     bench_bus,
     bench_envs,
+    bench_faults,
+    bench_scale,
     bench_learner,
     bench_rollout,
     bench_streams,
@@ -56,6 +58,8 @@ app.add_typer(streams_cmd.app, name="streams")
 app.command("dispatch")(dispatch_cmd.dispatch)
 bench_app.command("streams")(bench_streams.bench_streams)
 bench_app.command("rollout")(bench_rollout.bench_rollout)
+bench_app.command("faults")(bench_faults.bench_faults)
+bench_app.command("scale")(bench_scale.bench_scale)
 app.command("up")(up_cmd.up)
 app.command("eval")(eval_cmd.eval_checkpoint)
 app.command("report")(report_cmd.report)
