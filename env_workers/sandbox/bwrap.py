@@ -14,6 +14,11 @@ Isolation (what Docker gives AgentBench, rebuilt from kernel parts):
   wall time per command in ShellSession.
 Independent scripts (init, check) enter the shell's namespaces with nsenter (as the sandbox's
 root, under the same limits), as AgentBench's exec_run enters its container.
+
+A worker killed with SIGKILL cannot unmount its sessions' tmpfs and overlay nor remove their
+cgroups: both carry the owning process id in their names (`rollstream-os-<pid>-...`,
+`rollstream-<pid>-...`), and every new backend first sweeps those whose owner is gone
+(`sweep_orphans`).
 """
 
 from __future__ import annotations
@@ -182,9 +187,9 @@ class BwrapSandbox(Sandbox):
         super().__init__()
         self.settings = settings
         self.rootfs = rootfs
-        self.id = uuid.uuid4().hex
+        self.id = f"{os.getpid()}-{uuid.uuid4().hex[:16]}"  # the owner's pid: see sweep_orphans
         self.uid = settings.uid_base
-        self.dir = Path(tempfile.mkdtemp(prefix="rollstream-os-", dir=settings.work_dir))
+        self.dir = Path(tempfile.mkdtemp(prefix=f"rollstream-os-{os.getpid()}-", dir=settings.work_dir))
         self.root = self.dir / "root"
         self.cgroup: Cgroup | None = None
         self._processes: set[asyncio.subprocess.Process] = set()
@@ -300,6 +305,43 @@ class BwrapSandbox(Sandbox):
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _owner_gone(name: str, prefix: str) -> bool:
+    """Whether the process whose pid follows `prefix` in `name` has exited."""
+    pid = name[len(prefix):].split("-", 1)[0]
+    if not pid.isdigit():
+        return False  # not ours to judge
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def sweep_orphans(settings: SandboxSettings) -> int:
+    """Unmounts and removes the session directories and cgroups of env workers that died without
+    cleaning up (SIGKILL, OOM); returns how many sessions were swept."""
+    swept = 0
+    base = Path(settings.work_dir or tempfile.gettempdir())
+    for path in base.glob("rollstream-os-*"):
+        if path.is_dir() and _owner_gone(path.name, "rollstream-os-"):
+            _umount(path / "root")
+            _umount(path)
+            shutil.rmtree(path, ignore_errors=True)
+            swept += 1
+    root = settings.cgroup_root
+    for hierarchy in (root, root / "pids", root / "memory", root / "cpu"):
+        for path in hierarchy.glob("rollstream-*") if hierarchy.is_dir() else ():
+            if path.is_dir() and _owner_gone(path.name, "rollstream-"):
+                try:
+                    _kill([int(p) for p in (path / "cgroup.procs").read_text().split()])
+                    path.rmdir()
+                except OSError as error:
+                    log.warning("cannot remove the orphaned cgroup %s: %s", path, error)
+    return swept
+
+
 def own_rootfs(rootfs: str, uid: int) -> None:
     """Once per root filesystem: make it the sandbox uid's, so that it is root's inside the sandbox."""
     if os.stat(rootfs).st_uid != uid:
@@ -314,6 +356,9 @@ class BwrapBackend(SandboxBackend):
         if shutil.which("bwrap") is None:
             raise SandboxCrashed("bwrap is not installed (apt-get install -y bubblewrap)")
         self._owned: set[str] = set()
+        swept = sweep_orphans(settings)
+        if swept:
+            log.warning("cleaned up %d sandbox sessions left behind by env workers that died", swept)
 
     async def open(self, image: str) -> Sandbox:
         rootfs = await rootfs_for(str(self.settings.rootfs_script))

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 from env_workers.envs.base import EnvSettings, Status, assistant_call
 from env_workers.envs.os_env import OsEnvironment, make
 from env_workers.sandbox import SandboxSettings
+from env_workers.sandbox.bwrap import BwrapBackend
 from env_workers.sandbox.docker_backend import LABEL
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -145,3 +147,26 @@ def test_32_concurrent_sessions_leave_nothing_behind(settings: SandboxSettings) 
     assert [outputs[0].strip() for outputs, _ in results] == [f"session-{i}" for i in range(32)]
     assert {status for _, status in results} == {Status.COMPLETED}
     assert all(count == 0 for count in _leftovers(settings).values()), json.dumps(_leftovers(settings))
+
+
+def test_sessions_of_a_sigkilled_worker_are_swept_by_the_next_backend() -> None:
+    """A worker killed with SIGKILL leaves its sessions mounted; the next bwrap backend unmounts them."""
+    settings = SandboxSettings(backend="bwrap", **LIMITS)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import asyncio, sys, time\n"
+         "from env_workers.sandbox import SandboxSettings\n"
+         "from env_workers.sandbox.bwrap import BwrapBackend\n"
+         f"settings = SandboxSettings(backend='bwrap', **{LIMITS!r})\n"
+         "sandboxes = [asyncio.run(BwrapBackend(settings).open('default')) for _ in range(2)]\n"
+         "print('open', flush=True)\n"
+         "time.sleep(600)\n"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+        assert _leftovers(settings)["temp_dirs"] == 2 and _leftovers(settings)["mounts"] > 0
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _leftovers(settings)["temp_dirs"] == 2  # nobody cleaned up after the SIGKILL
+    BwrapBackend(settings)
+    assert all(count == 0 for count in _leftovers(settings).values()), json.dumps(_leftovers(settings))
+    assert not list(Path("/sys/fs/cgroup").glob(f"rollstream-{holder.pid}-*"))
