@@ -14,9 +14,10 @@ from pipeline import (
     bench_bus,
     bench_envs,
     bench_faults,
-    bench_scale,
     bench_learner,
+    bench_pipeline,
     bench_rollout,
+    bench_scale,
     bench_streams,
     dispatch_cmd,
     engine_cmd,
@@ -60,6 +61,7 @@ bench_app.command("streams")(bench_streams.bench_streams)
 bench_app.command("rollout")(bench_rollout.bench_rollout)
 bench_app.command("faults")(bench_faults.bench_faults)
 bench_app.command("scale")(bench_scale.bench_scale)
+bench_app.command("pipeline")(bench_pipeline.bench_pipeline)
 app.command("up")(up_cmd.up)
 app.command("eval")(eval_cmd.eval_checkpoint)
 app.command("report")(report_cmd.report)
