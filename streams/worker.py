@@ -10,7 +10,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+import faust
 from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka.admin import AdminClient, NewTopic
 from faust.worker import Worker
 
 from schemas import topics
@@ -43,6 +45,45 @@ def start_at_end(kafka: KafkaSettings, app_id: str, topic_names: Iterable[str] =
         consumer.close()
 
 
+def internal_topics(app: faust.App) -> dict[str, tuple[int, dict[str, str]]]:
+    """The topics the app makes for itself: its agents' internal input topics and its tables'
+    changelogs, {name: (partitions, config)}."""
+    found: dict[str, tuple[int, dict[str, str]]] = {}
+    channels = [agent.channel for agent in app.agents.values()] + [t.changelog_topic for t in app.tables.values()]
+    for channel in channels:
+        if getattr(channel, "internal", False):
+            config = dict(channel.config or {})
+            if getattr(channel, "compacting", False):  # a changelog keeps the last value of each key
+                config["cleanup.policy"] = "compact"
+            for name in channel.topics:
+                found[name] = (channel.partitions, config)
+    return found
+
+
+def declare_internal_topics(kafka: KafkaSettings, app: faust.App) -> list[str]:
+    """Creates the app's internal topics before its worker subscribes. Faust creates them itself
+    while starting, but its consumer may subscribe first ("Ignoring missing topic") and then only
+    sees them at its next metadata refresh, minutes later: measured 10 minutes of a run's first
+    tasks never routed on a fresh broker. Returns the names created."""
+    admin = AdminClient(kafka.as_confluent())
+    existing = admin.list_topics(timeout=10).topics
+    wanted = {name: spec for name, spec in internal_topics(app).items() if name not in existing}
+    if not wanted:
+        return []
+    replicas = app.conf.topic_replication_factor
+    futures = admin.create_topics([NewTopic(name, partitions, replicas, config=config)
+                                   for name, (partitions, config) in wanted.items()])
+    created = []
+    for name, future in futures.items():
+        try:
+            future.result()
+            created.append(name)
+        except Exception as error:  # another worker of the app created it first
+            if "TOPIC_ALREADY_EXISTS" not in str(error):
+                raise
+    return created
+
+
 def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSettings,
                components: Iterable[str] = COMPONENTS, loglevel: str = "WARNING", *, from_now: bool = False) -> None:
     """Blocks running the worker; never returns normally (mode's Worker exits the process).
@@ -50,6 +91,7 @@ def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
     if from_now:
         start_at_end(kafka, worker.app_id)
     app = create_app(kafka, settings, worker, components)
+    declare_internal_topics(kafka, app)
     # aiokafka logs every request at DEBUG and its loggers are left enabled: building those
     # records cost about a tenth of the worker's CPU in profiles
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(loglevel.upper())))
