@@ -32,7 +32,7 @@ from rich.table import Table
 from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
 from pipeline.faults_logic import (FAULTS, POISON_TOPICS, SCALED_DOWN, FaultSchedule, dead_letter_positions,
                                    fault_table, redone)
-from pipeline.up import RunFailed, Stack, default_run_id, run_up
+from pipeline.up import RunFailed, Stack, default_run_id, run_up, timestamped
 from schemas import topics
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "faults.yaml"
@@ -174,8 +174,7 @@ def run_bench(cfg: RollstreamConfig, run: str, faults: list[str], console: Conso
     # Enough learner steps for every fault to go in and be recovered from, with one to spare.
     cfg = RollstreamConfig(**{**cfg.model_dump(), "max_steps": schedule.versions_needed()})
 
-    def say(line: str) -> None:
-        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}", soft_wrap=True)
+    say = timestamped(console)
 
     injector = Injector(cfg, run, schedule, say)
     say(f"run {run}: {len(faults)} faults ({', '.join(faults)}), {cfg.max_steps} learner steps")

@@ -30,7 +30,7 @@ from pipeline.bench_faults import ensure_random_policy
 from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
 from pipeline.pipeline_bench_logic import (comparison, engine_intervals, learner_intervals, merged, mode_figures,
                                            stages_alone)
-from pipeline.up import RunFailed, run_up
+from pipeline.up import RunFailed, run_up, timestamped
 from schemas import topics
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pipeline.yaml"
@@ -80,8 +80,7 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
     from pipeline.replay import Bound, read_run  # noqa: PLC0415
     from pipeline.replay_logic import action_tokens
 
-    def say(line: str) -> None:
-        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}", soft_wrap=True)
+    say = timestamped(console)
 
     figures: dict[str, dict[str, Any]] = {}
     timelines: dict[str, dict[str, Any]] = {}

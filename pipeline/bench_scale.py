@@ -38,18 +38,13 @@ from pipeline.dispatcher_logic import Slot, requests_for
 from pipeline.engine.launch import launch_engine, stop_process_group
 from pipeline.env_cmd import env_settings
 from pipeline.scale_logic import account_tasks, scale_figures, window_rate
+from pipeline.up import timestamped
 from schemas import topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.ids import trajectory_id
 from streams.routing import RoutingPlan, task_event
 
 CALC_TRAIN_TASKS = 5000
-
-
-def _console_say(console: Console):
-    def say(line: str) -> None:
-        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}", soft_wrap=True)
-    return say
 
 
 class TaskFeed:
@@ -143,7 +138,7 @@ def _plot(curve: list[dict[str, Any]], path: Path) -> None:
 
 def run_scale(*, max_workers: int, concurrency: int, latency: StepLatency, max_turns: int, window_s: float,
               settle_s: float, out_dir: Path, run: str, console: Console) -> dict[str, Any]:
-    say = _console_say(console)
+    say = timestamped(console)
     cfg = load_config()
     model = cfg.policy_dir() if (cfg.policy_dir() / "config.json").is_file() else REPO_ROOT / ".run/models/bench-random"
     ensure_random_policy(model)

@@ -30,7 +30,8 @@ from pipeline.engine.updates import download_version
 from pipeline.env_cmd import env_settings
 from pipeline.sft import EVAL_SPLITS, WEIGHT_SUFFIXES
 from pipeline.run_view import RunView
-from pipeline.up import Interrupted, RunFailed, RunFollower, Stack, catch_interrupts, shut_down, start_engines
+from pipeline.up import (Interrupted, RunFailed, RunFollower, Stack, catch_interrupts, shut_down, start_engines,
+                         timestamped)
 from pipeline.up_plan import env_worker_children, streams_app_id, streams_child
 from schemas import objectstore, topics
 from schemas.bus import EventProducer, now_ms
@@ -94,8 +95,7 @@ def run_eval(cfg: RollstreamConfig, model_dir: Path, version: int, sources: tupl
     run_dir = cfg.run_dir(run)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    def say(line: str) -> None:
-        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}", soft_wrap=True)
+    say = timestamped(console)
 
     stack = Stack(run_dir / "logs")
     follower = None

@@ -124,6 +124,13 @@ def _iso(seconds: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(seconds))
 
 
+def timestamped(console: Console) -> Callable[[str], None]:
+    """A progress line printer: each line prefixed with the time of day, dimmed."""
+    def say(line: str) -> None:
+        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}", soft_wrap=True)
+    return say
+
+
 def default_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S")
 
@@ -262,8 +269,7 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
     log_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
 
-    def say(line: str) -> None:
-        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/dim] {line}", soft_wrap=True)
+    say = timestamped(console)
 
     previous = catch_interrupts()
     started = time.time()
