@@ -37,6 +37,7 @@ from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_c
 from schemas import topics
 from schemas.codec import UndecodableEvent, codec
 from schemas.settings import KafkaSettings
+from streams.routing import stale_schedule
 from streams.worker import start_at_end
 
 FOLLOWED = (topics.TASKS_REQUESTED, topics.TRAJECTORIES, topics.STEPS, topics.WEIGHTS, topics.METRICS, topics.ENGINES)
@@ -338,8 +339,7 @@ class EngineRestarter:
         self.cfg, self.run, self.run_dir, self.model_dir, self.say = cfg, run, run_dir, model_dir, say
 
     def version_for(self, pool: str, learner_version: int) -> int:
-        step = self.cfg.streams.stale_step
-        return learner_version if pool == "current" else learner_version // step * step
+        return learner_version if pool == "current" else stale_schedule(learner_version, self.cfg.streams.stale_step)
 
     def dead_engines(self, stack: Stack, learner_version: int) -> None:
         for i, e in enumerate(stack.engines):
