@@ -176,6 +176,7 @@ class WeightVersionMiddleware:
             started = time.perf_counter()
             state.updating = True
             state.open.clear()
+            waited_for = state.in_flight  # requests the update lets finish on the old weights
             try:
                 await state.idle.wait()  # the requests in flight finish on the old weights
                 drained = time.perf_counter()
@@ -187,7 +188,8 @@ class WeightVersionMiddleware:
                     state.last_error = ""
                 else:
                     state.last_error = result.get("error", "update failed")
-                return {**result, "drain_s": drained - started, "update_s": time.perf_counter() - started}
+                return {**result, "drained_requests": waited_for, "drain_s": drained - started,
+                        "update_s": time.perf_counter() - started}
             finally:
                 state.updating = False
                 state.open.set()
