@@ -10,6 +10,10 @@ far (so a resumed learner neither trains a batch twice nor skips one). Layout:
 
 The pointer is written last, so a learner killed while writing a checkpoint resumes from the
 previous complete one.
+
+The model and optimizer states are the whole ones (`full_weights`, `full_optimizer_state`: torch's
+distributed-checkpoint state dicts, the optimizer's keyed by parameter name), so one checkpoint
+resumes one process, DDP ranks or FSDP ranks alike.
 """
 
 from __future__ import annotations
@@ -23,6 +27,12 @@ from typing import Any
 
 import torch
 from minio import Minio
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from minio.error import S3Error
 
 from schemas import objectstore, topics
@@ -72,6 +82,25 @@ class Checkpoint:
     uri: str
 
 
+# Whole tensors, on CPU, on rank 0 only (other ranks get {}): a gather when the model is sharded.
+_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's whole state dict (tied tensors under each name). Under FSDP every rank must call it."""
+    return get_model_state_dict(model, options=_FULL)
+
+
+def full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's whole state, keyed by parameter name. Under FSDP every rank must call it."""
+    return get_optimizer_state_dict(model, optimizer, options=_FULL)
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Loads a `full_optimizer_state` into the optimizer of the whole (unsharded) model."""
+    set_optimizer_state_dict(model, optimizer, state)
+
+
 def rng_states() -> dict[str, Any]:
     """The process's RNG states (torch CPU, CUDA when present, Python's random)."""
     states: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -91,8 +120,8 @@ def save_checkpoint(
     mc: Minio,
     run: str,
     state: TrainingState,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    model_state: dict[str, torch.Tensor],
+    optimizer_state: dict[str, Any],
 ) -> str:
     """Writes a checkpoint, then moves the latest pointer to it; returns its state URI.
 
@@ -100,7 +129,7 @@ def save_checkpoint(
     being held twice in memory.
     """
     prefix = step_prefix(run, state.step)
-    payload = {"state": state.to_plain(), "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+    payload = {"state": state.to_plain(), "model": model_state, "optimizer": optimizer_state,
                "rng": rng_states()}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / STATE_FILE

@@ -1,135 +1,101 @@
-"""More than one learner process (torchrun): the ranks split each batch and train with DDP.
+"""More than one learner process (torchrun): the ranks split each batch and train with DDP or FSDP2.
 
 Launch: `torchrun --nproc_per_node 2 -m pipeline.learner_cmd --run-id RUN --model PATH`. Rank 0 alone
-talks to Kafka and MinIO (it consumes `batches`, publishes, checkpoints); it hands each batch to
-the other ranks over the process group, every rank takes its share of the micro-batches, and DDP
-all-reduces the gradients once per step. Gloo on CPUs, NCCL on GPUs (learner/broadcast.py).
+talks to Kafka and MinIO (it consumes `batches`, publishes, checkpoints). It drives the other
+ranks with commands over the process group (`Leader`), which they carry out (`follow`): train
+a batch (learner/step.py's train_step, each rank its share), gather the full weights or the full
+optimizer state (a collective under FSDP, where each rank holds a shard; rank 0 gets the whole
+tensors, on CPU), stop. Gloo on CPUs, NCCL on GPUs.
 
-Equality with one process. Every rank plans the same micro-batches from the whole batch
-(learner/microbatch.py), so all ranks know the batch's action-token count, and each micro-batch
-loss is already its share of the *global* token-mean. Rank r trains micro-batches r, r+W, ...;
-DDP averages gradients over the W ranks, so each rank scales its loss by W, and the averaged
-gradient is the sum of all shares: the single-process gradient, up to float summation order.
-DDP syncs on every backward outside `no_sync()`, and every rank must join each sync, so all
-ranks run the same number of backward passes: a rank with one micro-batch fewer repeats one
-with weight 0 (one extra forward/backward at most), and only the last backward syncs.
+Start-up: rank 0 loads the checkpoint into the whole, unwrapped policy (or fails to: a
+`ResumeError`), then `agree_to_start` tells every rank whether it did, so a failure ends every
+rank at once instead of leaving the others in a collective until the Gloo timeout. On success
+`sync_from_leader` gives every rank rank 0's weights and optimizer state, and `parallelize`
+wraps the policy: DDP replicates it; FSDP2 (`fully_shard`) shards each decoder layer and then the
+rest (embeddings, tied lm_head, final norm) as one root group.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
-import time
-from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, set_optimizer_state_dict
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from learner.loss import next_token_logits, policy_loss, token_entropy, token_logprobs
-from learner.microbatch import BatchItem, make_micro_batches
+from learner.checkpoint import full_optimizer_state, full_weights
+from learner.microbatch import BatchItem
 from learner.settings import LearnerSettings
-from learner.step import train_step
+from learner.step import make_optimizer, train_step
 
 
-def rank_share(micro_batches: int, world: int, rank: int) -> list[tuple[int, float]]:
-    """(micro-batch index, loss weight) that `rank` trains: its round-robin share, padded with a
-    weight-0 repeat so that every rank runs ceil(micro_batches / world) backward passes."""
-    if micro_batches <= 0:
-        raise ValueError("a step needs at least one micro-batch")
-    passes = math.ceil(micro_batches / world)
-    own = [(i, 1.0) for i in range(rank, micro_batches, world)]
-    filler = own[0][0] if own else 0
-    return own + [(filler, 0.0)] * (passes - len(own))
+@dataclass(frozen=True)
+class RankSync:
+    """learner/step.py's GradientSync over the default process group."""
+
+    rank: int
+    world: int
+    skip: Callable[[], contextlib.AbstractContextManager[None]]
+
+    def skip_sync(self) -> contextlib.AbstractContextManager[None]:
+        return self.skip()
+
+    def sum_over_ranks(self, totals: torch.Tensor) -> None:
+        dist.all_reduce(totals)
 
 
-def ddp_train_step(
-    model: DistributedDataParallel,
-    ref_model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    batch_items: Sequence[BatchItem],
-    settings: LearnerSettings,
-    *,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, float]:
-    """learner/step.py's train_step over W ranks; every rank passes the whole batch and gets the
-    same metrics back (summed over ranks). Metric names are train_step's."""
-    world, rank = dist.get_world_size(), dist.get_rank()
-    micro_batches = make_micro_batches(batch_items, settings.max_tokens_per_micro_batch)
-    global_action_tokens = sum(mb.action_tokens for mb in micro_batches)
-    if global_action_tokens == 0:
-        raise ValueError("the batch has no action tokens to train on")
-    share = rank_share(len(micro_batches), world, rank)
-    device = next(model.parameters()).device
-
-    # --- phase 1: reference log-probs of this rank's micro-batches ---
-    started = clock()
-    ref_model.eval()
-    ref_logprobs = []
-    with torch.no_grad():
-        for index, _ in share:
-            mb = micro_batches[index]
-            input_ids = torch.from_numpy(mb.input_ids).to(device)  # (B, T)
-            logits = next_token_logits(ref_model, input_ids, torch.from_numpy(mb.attention_mask).to(device),
-                                       settings.temperature)  # (B, T-1, V)
-            ref_logprobs.append(token_logprobs(logits, input_ids))  # (B, T-1)
-    ref_done = clock()
-
-    # --- phase 2: actor forward/backward; only the last backward all-reduces ---
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    shares: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), device=device))
-    for n, ((index, weight), ref_lp) in enumerate(zip(share, ref_logprobs, strict=True)):
-        mb = micro_batches[index]
-        input_ids = torch.from_numpy(mb.input_ids).to(device)  # (B, T)
-        sync = n == len(share) - 1
-        with contextlib.nullcontext() if sync else model.no_sync():
-            logits = next_token_logits(model, input_ids, torch.from_numpy(mb.attention_mask).to(device),
-                                       settings.temperature)  # (B, T-1, V)
-            logprobs = token_logprobs(logits, input_ids)  # (B, T-1)
-            entropy = token_entropy(logits if settings.entropy_coef > 0 else logits.detach())  # (B, T-1)
-            loss, metrics = policy_loss(
-                logprobs, torch.from_numpy(mb.rollout_logprobs).to(device), ref_lp,
-                torch.from_numpy(mb.advantages).to(device), torch.from_numpy(mb.loss_mask).to(device), entropy,
-                global_action_tokens, clip_ratio_low=settings.clip_ratio_low,
-                clip_ratio_high=settings.clip_ratio_high, clip_ratio_c=settings.clip_ratio_c,
-                kl_coef=settings.kl_coef, kl_clamp=settings.kl_clamp, entropy_coef=settings.entropy_coef,
-            )
-            # x world: DDP averages over ranks, we want the sum of the token-mean shares.
-            (loss * (weight * world)).backward()
-        for name, value in (metrics | {"actor/loss": loss.detach()}).items():
-            shares[name] = shares[name] + value * weight
-
-    # --- phase 3: metrics summed over ranks, then clip and step on identical gradients ---
-    names = sorted(shares)
-    totals = torch.stack([shares[name] for name in names])  # (M,)
-    dist.all_reduce(totals)
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        [p for group in optimizer.param_groups for p in group["params"]], settings.grad_clip
-    )
-    grad_norm_value = float(grad_norm)
-    step_skipped = not math.isfinite(grad_norm_value)  # as train_step: never write NaN into the weights
-    if not step_skipped:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    actor_done = clock()
-    result = {name: float(v) for name, v in zip(names, totals, strict=True)}
-    result.update({
-        "actor/grad_norm": grad_norm_value,
-        "actor/step_skipped": float(step_skipped),
-        "actor/action_tokens": float(global_action_tokens),
-        "actor/tokens": float(sum(int(mb.attention_mask.sum()) for mb in micro_batches)),
-        "actor/micro_batches": float(len(micro_batches)),
-        "timing/ref_s": ref_done - started,
-        "timing/actor_s": actor_done - ref_done,
-    })
-    return result
+@contextlib.contextmanager
+def _fsdp_no_sync(model: FSDPModule) -> Iterator[None]:
+    # FSDP2 has no no_sync(): gradients stay unsharded and unreduced until the flag is set back.
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
-def share_batch(items: Sequence[BatchItem] | None) -> list[BatchItem] | None:
-    """Rank 0's batch on every rank (None from rank 0 tells the others to stop)."""
-    box = [list(items) if items is not None else None]
+@dataclass(frozen=True)
+class Parallel:
+    """The policy as the ranks share it: what train_step runs on, and its optimizer."""
+
+    module: torch.nn.Module  # the DDP wrapper, or the policy itself sharded in place by FSDP
+    optimizer: torch.optim.Optimizer  # over module's parameters (a new one under FSDP)
+    sync: RankSync
+
+
+def _shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder layers: the classes a Hugging Face model lists as never to be split."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [m for m in model.modules() if type(m).__name__ in names]
+
+
+def parallelize(model: torch.nn.Module, optimizer: torch.optim.Optimizer, settings: LearnerSettings) -> Parallel:
+    """Wraps the policy for settings.parallelism; every rank must already hold the same weights and
+    optimizer state (`sync_from_leader`). Under FSDP the model is sharded in place and the
+    optimizer is replaced by one over the shards, carrying the old one's state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if settings.parallelism == "ddp":
+        ddp = DistributedDataParallel(model)
+        return Parallel(ddp, optimizer, RankSync(rank, world, ddp.no_sync))
+    # Keyed by parameter name, before sharding, on every rank (the whole-state gather keeps it on rank 0 only).
+    state = get_optimizer_state_dict(model, optimizer) if optimizer.state else None
+    for unit in _shard_units(model):
+        fully_shard(unit)
+    fully_shard(model)  # the root: embeddings (with lm_head when tied) and the final norm
+    sharded = make_optimizer(model, settings)
+    if state is not None:
+        set_optimizer_state_dict(model, sharded, state, options=StateDictOptions(full_state_dict=True))
+    return Parallel(model, sharded, RankSync(rank, world, lambda: _fsdp_no_sync(model)))
+
+
+def agree_to_start(error: str | None) -> str | None:
+    """Rank 0's start-up error (None: started) on every rank; each rank passes its own, only rank 0's counts."""
+    box = [error]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
@@ -145,34 +111,65 @@ def sync_from_leader(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
         optimizer.load_state_dict(box[0])
 
 
-def leader_step_fn(
-    model: DistributedDataParallel, ref_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    settings: LearnerSettings,
-) -> Callable[[Sequence[BatchItem]], dict[str, float]]:
-    """Rank 0's step: hand the batch to the other ranks, then train its share."""
-
-    def step(items: Sequence[BatchItem]) -> dict[str, float]:
-        share_batch(items)
-        return ddp_train_step(model, ref_model, optimizer, items, settings)
-
-    return step
+# Commands rank 0 sends; every rank then runs the same code, so collectives pair up in order.
+_STEP, _WEIGHTS, _OPTIMIZER, _STOP = "step", "weights", "optimizer", "stop"
 
 
-def follow(
-    model: DistributedDataParallel, ref_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    settings: LearnerSettings,
-) -> int:
-    """The loop of ranks other than 0: train each batch rank 0 hands over until it says stop."""
+def _command(command: str | None = None, items: Sequence[BatchItem] | None = None) -> tuple[str, Any]:
+    box = [(command, list(items) if items is not None else None)]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _carry_out(command: str, items: Any, model: torch.nn.Module, parallel: Parallel, ref_model: torch.nn.Module,
+               settings: LearnerSettings) -> Any:
+    if command == _STEP:
+        return train_step(parallel.module, ref_model, parallel.optimizer, items, settings, sync=parallel.sync)
+    if command == _WEIGHTS:
+        return full_weights(model)
+    if command == _OPTIMIZER:
+        return full_optimizer_state(model, parallel.optimizer)
+    raise ValueError(f"unknown learner command {command!r}")
+
+
+@dataclass(frozen=True)
+class Leader:
+    """Rank 0's side: each call tells the other ranks to do the same, then does it.
+
+    `model` is the policy (sharded in place under FSDP; under DDP the module DDP wraps)."""
+
+    model: torch.nn.Module
+    parallel: Parallel
+    ref_model: torch.nn.Module
+    settings: LearnerSettings
+
+    def step(self, items: Sequence[BatchItem]) -> dict[str, float]:
+        """One optimizer step on the whole batch (learner/process.py's StepFn)."""
+        return self._run(_STEP, items)
+
+    def weights(self) -> Mapping[str, torch.Tensor]:
+        """The full state dict, on rank 0."""
+        return self._run(_WEIGHTS)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The full optimizer state, keyed by parameter name, on rank 0."""
+        return self._run(_OPTIMIZER)
+
+    def stop(self) -> None:
+        """Ends `follow` on the other ranks."""
+        _command(_STOP)
+
+    def _run(self, command: str, items: Sequence[BatchItem] | None = None) -> Any:
+        _command(command, items)
+        return _carry_out(command, items, self.model, self.parallel, self.ref_model, self.settings)
+
+
+def follow(model: torch.nn.Module, parallel: Parallel, ref_model: torch.nn.Module, settings: LearnerSettings) -> int:
+    """The loop of ranks other than 0: carry out rank 0's commands until it says stop; returns the steps taken."""
     steps = 0
-    while (items := share_batch(None)) is not None:
-        ddp_train_step(model, ref_model, optimizer, items, settings)
-        steps += 1
-    return steps
-
-
-def single_process_step_fn(
-    model: torch.nn.Module, ref_model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-    settings: LearnerSettings,
-) -> Callable[[Sequence[BatchItem]], dict[str, float]]:
-    """The plain step (one process, no process group)."""
-    return lambda items: train_step(model, ref_model, optimizer, items, settings)
+    while True:
+        command, items = _command()
+        if command == _STOP:
+            return steps
+        _carry_out(command, items, model, parallel, ref_model, settings)
+        steps += command == _STEP

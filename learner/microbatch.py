@@ -24,6 +24,7 @@ loss_mask 0, rollout log-prob 0 and advantage 0, so they add nothing to the loss
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -112,3 +113,15 @@ def make_micro_batches(
     """Plans and collates the whole batch: every item lands in exactly one micro-batch."""
     plan = plan_micro_batches([len(item[0]) for item in items], max_tokens)
     return [collate(items, indices, pad_token_id) for indices in plan]
+
+
+def rank_share(micro_batches: int, world: int, rank: int) -> list[tuple[int, float]]:
+    """(micro-batch index, loss weight) that `rank` of `world` trains: its round-robin share,
+    padded with a weight-0 repeat so that every rank runs ceil(micro_batches / world) backward
+    passes (a gradient all-reduce needs every rank). One process (world 1) trains them all."""
+    if micro_batches <= 0:
+        raise ValueError("a step needs at least one micro-batch")
+    passes = math.ceil(micro_batches / world)
+    own = [(i, 1.0) for i in range(rank, micro_batches, world)]
+    filler = own[0][0] if own else 0
+    return own + [(filler, 0.0)] * (passes - len(own))

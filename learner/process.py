@@ -2,8 +2,9 @@
 
 Per batch, in this order (DESIGN.md, "Delivery guarantees"):
 
-    wait     poll `batches`; skip other runs' batches and batches already applied (by id)
-    train    one optimizer step on the whole batch (learner/step.py, or the DDP step)
+    wait     poll `batches`; skip other runs' batches and batches already applied (by id); fetch a
+             claim-checked batch whole from MinIO
+    train    one optimizer step on the whole batch (learner/step.py, on one rank or several)
     publish  fast path (the pluggable broadcaster, none by default), then stage the version in
              MinIO (shards, then manifest)
     ckpt     every `checkpoint_interval` steps: model, optimizer, RNG, step, version, offsets
@@ -24,14 +25,13 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_STORED
 from minio import Minio
-from pydantic import BaseModel, ConfigDict, Field
 
 from learner import checkpoint, publish
 from learner.microbatch import BatchItem
@@ -46,27 +46,9 @@ log = logging.getLogger("rollstream.learner")
 Broadcaster = Callable[[Mapping[str, torch.Tensor], int], Sequence[str]]
 # One optimizer step on a whole batch -> metrics (learner/step.py's train_step, bound to its models).
 StepFn = Callable[[Sequence[BatchItem]], dict[str, float]]
-
-
-class ProcessSettings(BaseModel):
-    """How the learner process runs around the step (publishing, retention, stopping)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
-
-    stale_step: int = Field(25, gt=0)
-    """The stale pool is refreshed every stale_step versions, AgentRL's 25 (retention keeps those)."""
-    keep_versions: int = Field(3, gt=0)
-    """Newest staged versions kept in MinIO for engines that missed a broadcast (not in the paper)."""
-    keep_stale_versions: int = Field(2, ge=0)
-    """Newest multiples of stale_step kept for the stale pool (not in the paper)."""
-    keep_checkpoints: int = Field(2, gt=0)
-    """Newest checkpoints kept (not in the paper; verl keeps all unless told otherwise)."""
-    poll_timeout_s: float = Field(1.0, gt=0)
-    """How long one poll of `batches` waits before the loop checks for a stop (not in the paper)."""
-    max_steps: int | None = Field(None, gt=0)
-    """Stop once the run has taken this many steps (None: run until stopped; not in the paper)."""
-    idle_exit_s: float | None = Field(None, gt=0)
-    """Stop after this long without a batch (None: never; for smoke runs, not in the paper)."""
+# The policy's whole state dict / its optimizer's whole state (learner/checkpoint.py, or the ranks' Leader).
+WeightsFn = Callable[[], Mapping[str, torch.Tensor]]
+OptimizerStateFn = Callable[[], dict[str, Any]]
 
 
 class ResumeError(RuntimeError):
@@ -219,8 +201,7 @@ class LearnerLoop:
 
     run: str
     settings: LearnerSettings
-    process: ProcessSettings
-    model: torch.nn.Module  # the unwrapped policy: its state dict is what is published
+    model: torch.nn.Module  # the policy; a checkpoint is loaded into it (whole, before any sharding)
     optimizer: torch.optim.Optimizer
     step_fn: StepFn
     model_config: dict[str, Any]
@@ -230,10 +211,23 @@ class LearnerLoop:
     broadcaster: Broadcaster | None = None
     template_fingerprint: str | None = None
     """The policy tokenizer's (schemas/template.py); batches encoded otherwise are refused. None: unchecked."""
+    weights: WeightsFn | None = None
+    """What is published and checkpointed; None: the model's own (one process)."""
+    optimizer_state: OptimizerStateFn | None = None
+    """What is checkpointed of the optimizer; None: the optimizer's own (one process)."""
+    max_steps: int | None = None
+    """Stop once the run has taken this many steps (None: run until stopped)."""
+    idle_exit_s: float | None = None
+    """Stop after this long without a batch (None: never; for smoke runs)."""
     should_stop: Callable[[], bool] = lambda: False
     progress: Callable[[str], None] = lambda line: None
     clock: Callable[[], float] = time.perf_counter
     wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)
+    aliases: frozenset[str] = field(init=False)
+    """Tied tensors' second names (lm_head.weight): never published, the first name carries them."""
+
+    def __post_init__(self) -> None:
+        self.aliases = publish.tied_aliases(self.model)
 
     def start(self, *, resume: bool) -> checkpoint.TrainingState:
         """Loads the checkpoint (with --resume), reconciles it with the run's `weights` history,
@@ -243,7 +237,7 @@ class LearnerLoop:
         plan = plan_resume(published, ckpt.state if ckpt else None, resume=resume)
         if ckpt is not None:
             self.model.load_state_dict(ckpt.model)
-            self.optimizer.load_state_dict(ckpt.optimizer)
+            checkpoint.load_optimizer_state(self.model, self.optimizer, ckpt.optimizer)
             checkpoint.restore_rng(ckpt.rng)
             log.info("resumed from checkpoint %s (step %d, version %d)", ckpt.uri, ckpt.state.step, ckpt.state.version)
         elif resume and published:
@@ -279,10 +273,10 @@ class LearnerLoop:
         try:
             wait_started = self.clock()
             while not self._done(state):
-                event = consumer.poll(self.process.poll_timeout_s)
+                event = consumer.poll(self.settings.poll_timeout_s)
                 if event is None:
-                    if self.process.idle_exit_s is not None and self.clock() - last_batch_at > self.process.idle_exit_s:
-                        log.info("no batch for %.0f s: stopping", self.process.idle_exit_s)
+                    if self.idle_exit_s is not None and self.clock() - last_batch_at > self.idle_exit_s:
+                        log.info("no batch for %.0f s: stopping", self.idle_exit_s)
                         break
                     continue
                 last_batch_at = self.clock()
@@ -294,6 +288,8 @@ class LearnerLoop:
                 if batch["batch_id"] in applied:
                     log.info("skipping batch %s (index %d): already applied", batch["batch_id"], batch["index"])
                     continue
+                # a batch too large for one message arrives as a claim check: fetched whole and verified
+                batch = objectstore.resolve_claim_check(batch, topics.EVENT_OF_TOPIC[topics.BATCHES], self._fetch)
                 if self.template_fingerprint is not None:
                     check_template(batch, self.template_fingerprint)
                 items = batch_items(batch, self._fetch)
@@ -334,7 +330,7 @@ class LearnerLoop:
         if self.should_stop():
             log.info("stop requested: checkpointing step %d and exiting", state.step)
             return True
-        return self.process.max_steps is not None and state.step >= self.process.max_steps
+        return self.max_steps is not None and state.step >= self.max_steps
 
     def _fetch(self, uri: str) -> bytes:
         return objectstore.get_bytes(self.mc, *objectstore.parse_uri(uri))
@@ -345,12 +341,13 @@ class LearnerLoop:
         started = self.clock()
         if batch_id is not None:
             state.version += 1
-        tensors = self.model.state_dict()
+        whole = self._weights()
+        tensors = publish.without_aliases(whole, self.aliases)
         pools = list(self.broadcaster(tensors, state.version)) if self.broadcaster is not None else []
         staged = publish.stage_version(self.mc, self.run, tensors, version=state.version, step=state.step,
                                        config=self.model_config, max_shard_bytes=self.settings.max_shard_bytes)
         if checkpoint_now:
-            self._checkpoint(state)
+            self._checkpoint(state, whole)
         metric_values: dict[str, float] = {}
         if metrics is not None:
             metrics["timing/publish_s"] = self.clock() - started
@@ -369,16 +366,22 @@ class LearnerLoop:
             self.producer.send(topics.METRICS, m, key=m["name"])
         self.producer.flush()  # acknowledged by the broker before any offset is committed
 
-    def _checkpoint(self, state: checkpoint.TrainingState) -> None:
-        uri = checkpoint.save_checkpoint(self.mc, self.run, state, self.model, self.optimizer)
-        checkpoint.prune_checkpoints(self.mc, self.run, self.process.keep_checkpoints)
+    def _weights(self) -> Mapping[str, torch.Tensor]:
+        return self.weights() if self.weights is not None else checkpoint.full_weights(self.model)
+
+    def _checkpoint(self, state: checkpoint.TrainingState, weights: Mapping[str, torch.Tensor] | None = None) -> None:
+        optimizer_state = (self.optimizer_state() if self.optimizer_state is not None
+                           else checkpoint.full_optimizer_state(self.model, self.optimizer))
+        uri = checkpoint.save_checkpoint(self.mc, self.run, state, dict(weights if weights is not None else self._weights()),
+                                         optimizer_state)
+        checkpoint.prune_checkpoints(self.mc, self.run, self.settings.keep_checkpoints)
         log.info("checkpoint of step %d (version %d) at %s", state.step, state.version, uri)
 
     def _prune(self, state: checkpoint.TrainingState) -> None:
         staged = publish.staged_versions(self.mc, self.run)
         keep = publish.retained_versions(
-            staged, keep_last=self.process.keep_versions, stale_step=self.process.stale_step,
-            keep_stale=self.process.keep_stale_versions,
+            staged, keep_last=self.settings.keep_versions, stale_step=self.settings.stale_step,
+            keep_stale=self.settings.keep_stale_versions,
             checkpoint_versions=[v for _, v in checkpoint.list_checkpoints(self.mc, self.run)],
         )
         deleted = publish.prune_versions(self.mc, self.run, keep)

@@ -6,6 +6,11 @@ shards go up first and the manifest last, so a version whose manifest exists is 
 `weights` event is sent only after the manifest is stored, so an engine that reads the event can
 always load the version.
 
+Tied tensors (lm_head.weight when the embeddings are tied) are published once, under the first
+name (`tied_aliases`, `without_aliases`), in the manifest, the shards and the broadcast buckets
+alike, as Hugging Face checkpoints store them: the version's config says `tie_word_embeddings`,
+and loaders (transformers, vLLM) tie lm_head to the embedding themselves.
+
 Retention (`retained_versions`) is a pure rule: keep the newest `keep_last` versions (engines of
 the current pool that missed a broadcast load one of these), the newest `keep_stale` versions the
 stale pool can be serving (multiples of `stale_step`, the versions it is refreshed to), and every
@@ -27,6 +32,24 @@ from schemas import objectstore, topics
 from schemas.weight_layout import MANIFEST_FILE, WeightManifest
 
 _VERSION_DIR = re.compile(r"^v(\d{6,})/$")
+
+
+def tied_aliases(model: torch.nn.Module) -> frozenset[str]:
+    """Names under which a parameter already named earlier appears again (lm_head.weight when the
+    embeddings are tied). Computed from parameter identity, which FSDP's sharding keeps."""
+    first: dict[int, str] = {}
+    aliases = set()
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            aliases.add(name)
+        else:
+            first[id(parameter)] = name
+    return frozenset(aliases)
+
+
+def without_aliases(tensors: Mapping[str, torch.Tensor], aliases: frozenset[str]) -> dict[str, torch.Tensor]:
+    """The tensors to publish: every one but the aliases, in the state dict's order."""
+    return {name: tensor for name, tensor in tensors.items() if name not in aliases}
 
 
 def version_prefix(run: str, version: int) -> str:

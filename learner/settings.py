@@ -1,6 +1,9 @@
-"""Learner settings: one validated model; the step itself is in learner/step.py."""
+"""Learner settings: one validated model (the step, publishing, retention, the process loop);
+the step itself is in learner/step.py."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -40,6 +43,18 @@ class LearnerSettings(BaseModel):
     """Max safetensors shard size in MiB when staging a version (not in the paper)."""
     checkpoint_interval: int = Field(10, gt=0)
     """Steps between checkpoints (not in the paper; verl's save_freq is per experiment)."""
+    parallelism: Literal["ddp", "fsdp"] = "ddp"
+    """How torchrun's ranks share the model: "ddp" replicates it, "fsdp" shards it with FSDP2 (verl's default: fsdp)."""
+    stale_step: int = Field(25, gt=0)
+    """The stale pool is refreshed every stale_step versions, AgentRL's 25 (broadcast and retention follow it)."""
+    keep_versions: int = Field(3, gt=0)
+    """Newest staged versions kept in MinIO for engines that missed a broadcast (not in the paper)."""
+    keep_stale_versions: int = Field(2, ge=0)
+    """Newest multiples of stale_step kept for the stale pool (not in the paper)."""
+    keep_checkpoints: int = Field(2, gt=0)
+    """Newest checkpoints kept (not in the paper; verl keeps all unless told otherwise)."""
+    poll_timeout_s: float = Field(1.0, gt=0)
+    """How long one poll of `batches` waits before the loop checks for a stop (not in the paper)."""
 
     @property
     def bucket_size_bytes(self) -> int:

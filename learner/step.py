@@ -2,21 +2,45 @@
 
 `train_step` is pure with respect to I/O: it takes models, an optimizer and plain arrays, and
 returns metrics; consuming `batches`, publishing weights and checkpointing happen around it.
+
+The same function runs in one process and on each of W ranks (learner/distributed.py passes a
+`GradientSync`). Every rank plans the same micro-batches from the whole batch, so each
+micro-batch loss is already its share of the *global* token-mean; rank r trains micro-batches
+r, r+W, ... (`rank_share`), DDP/FSDP average the gradients over the W ranks, so each rank scales
+its loss by W and the averaged gradient is the sum of all shares: the single-process gradient,
+up to float summation order. Every rank must join each gradient all-reduce, so all ranks run the
+same number of backward passes (a rank with one micro-batch fewer repeats one with weight 0) and
+only the last backward syncs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from learner.loss import next_token_logits, policy_loss, token_entropy, token_logprobs
-from learner.microbatch import BatchItem, MicroBatch, make_micro_batches
+from learner.microbatch import BatchItem, MicroBatch, make_micro_batches, rank_share
 from learner.settings import LearnerSettings
+
+
+class GradientSync(Protocol):
+    """How the ranks of a process group share one step (learner/distributed.py implements it)."""
+
+    rank: int
+    world: int
+
+    def skip_sync(self) -> contextlib.AbstractContextManager[None]:
+        """A backward inside it accumulates locally, without the gradient all-reduce."""
+
+    def sum_over_ranks(self, totals: torch.Tensor) -> None:
+        """Sums `totals` over the ranks, in place."""
 
 
 def make_optimizer(model: torch.nn.Module, settings: LearnerSettings) -> torch.optim.AdamW:
@@ -35,6 +59,12 @@ def _tensor(array: np.ndarray, device: torch.device) -> torch.Tensor:
     return torch.from_numpy(array).to(device)
 
 
+def _total_norm(grad_norm: torch.Tensor) -> float:
+    # Under FSDP2 the norm is a replicated DTensor; full_tensor() reads its value.
+    full = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+    return float(full)  # CPU-GPU sync point, once per step
+
+
 def train_step(
     model: torch.nn.Module,
     ref_model: torch.nn.Module,
@@ -42,25 +72,31 @@ def train_step(
     batch_items: Sequence[BatchItem],
     settings: LearnerSettings,
     *,
+    sync: GradientSync | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """One optimizer step on a whole batch; returns actor/* metrics, grad norm, tokens, timings.
 
-    batch_items are (input_ids, loss_mask, rollout_logprobs, advantage) per trajectory.
+    batch_items are (input_ids, loss_mask, rollout_logprobs, advantage) per trajectory. With
+    `sync`, every rank passes the whole batch, trains its share, and gets the same metrics back
+    (summed over ranks).
     """
     # --- plan: micro-batches by token budget; the token-mean divides by the batch's action tokens ---
     micro_batches: list[MicroBatch] = make_micro_batches(batch_items, settings.max_tokens_per_micro_batch)
     global_action_tokens = sum(mb.action_tokens for mb in micro_batches)
     if global_action_tokens == 0:
         raise ValueError("the batch has no action tokens to train on")
+    world, rank = (sync.world, sync.rank) if sync is not None else (1, 0)
+    share = rank_share(len(micro_batches), world, rank)
     device, ref_device = _device_of(model), _device_of(ref_model)
 
-    # --- phase 1: reference log-probs (frozen initial policy), no graph kept ---
+    # --- phase 1: reference log-probs (frozen initial policy) of this rank's micro-batches, no graph kept ---
     started = clock()
     ref_model.eval()
     ref_logprobs: list[torch.Tensor] = []
     with torch.no_grad():
-        for mb in micro_batches:
+        for index, _ in share:
+            mb = micro_batches[index]
             input_ids = _tensor(mb.input_ids, ref_device)  # (B, T)
             logits = next_token_logits(
                 ref_model, input_ids, _tensor(mb.attention_mask, ref_device), settings.temperature
@@ -68,39 +104,48 @@ def train_step(
             ref_logprobs.append(token_logprobs(logits, input_ids).to(device))  # (B, T-1)
     ref_done = clock()
 
-    # --- phase 2: actor forward/backward per micro-batch, gradients accumulate ---
+    # --- phase 2: actor forward/backward per micro-batch, gradients accumulate; only the last backward syncs ---
     model.train()
     optimizer.zero_grad(set_to_none=True)
     shares: dict[str, list[torch.Tensor]] = defaultdict(list)  # metric -> per-micro-batch shares, on device
-    for mb, ref_lp in zip(micro_batches, ref_logprobs, strict=True):
-        input_ids = _tensor(mb.input_ids, device)  # (B, T)
-        logits = next_token_logits(model, input_ids, _tensor(mb.attention_mask, device), settings.temperature)
-        logprobs = token_logprobs(logits, input_ids)  # (B, T-1)
-        entropy = token_entropy(logits if settings.entropy_coef > 0 else logits.detach())  # (B, T-1)
-        loss, metrics = policy_loss(
-            logprobs,
-            _tensor(mb.rollout_logprobs, device),
-            ref_lp,
-            _tensor(mb.advantages, device),
-            _tensor(mb.loss_mask, device),
-            entropy,
-            global_action_tokens,
-            clip_ratio_low=settings.clip_ratio_low,
-            clip_ratio_high=settings.clip_ratio_high,
-            clip_ratio_c=settings.clip_ratio_c,
-            kl_coef=settings.kl_coef,
-            kl_clamp=settings.kl_clamp,
-            entropy_coef=settings.entropy_coef,
-        )
-        loss.backward()
+    for n, ((index, weight), ref_lp) in enumerate(zip(share, ref_logprobs, strict=True)):
+        mb = micro_batches[index]
+        local = sync is not None and n < len(share) - 1
+        with sync.skip_sync() if local else contextlib.nullcontext():
+            input_ids = _tensor(mb.input_ids, device)  # (B, T)
+            logits = next_token_logits(model, input_ids, _tensor(mb.attention_mask, device), settings.temperature)
+            logprobs = token_logprobs(logits, input_ids)  # (B, T-1)
+            entropy = token_entropy(logits if settings.entropy_coef > 0 else logits.detach())  # (B, T-1)
+            loss, metrics = policy_loss(
+                logprobs,
+                _tensor(mb.rollout_logprobs, device),
+                ref_lp,
+                _tensor(mb.advantages, device),
+                _tensor(mb.loss_mask, device),
+                entropy,
+                global_action_tokens,
+                clip_ratio_low=settings.clip_ratio_low,
+                clip_ratio_high=settings.clip_ratio_high,
+                clip_ratio_c=settings.clip_ratio_c,
+                kl_coef=settings.kl_coef,
+                kl_clamp=settings.kl_clamp,
+                entropy_coef=settings.entropy_coef,
+            )
+            # x world: DDP and FSDP average gradients over ranks; the step wants the sum of the shares.
+            (loss * (weight * world)).backward()
         for name, value in (metrics | {"actor/loss": loss.detach()}).items():
-            shares[name].append(value)
+            shares[name].append(value * weight)
 
-    # --- phase 3: clip, step, free the gradients ---
+    # --- phase 3: metrics summed over ranks, then clip and step (on identical gradients), free the gradients ---
+    names = sorted(shares)
+    # Each share is already divided by the batch's action tokens, so their sum is the token-mean.
+    totals = torch.stack([torch.stack(shares[name]).sum() for name in names])  # (M,)
+    if sync is not None:
+        sync.sum_over_ranks(totals)
     grad_norm = torch.nn.utils.clip_grad_norm_(
         [p for group in optimizer.param_groups for p in group["params"]], settings.grad_clip
     )
-    grad_norm_value = float(grad_norm)  # CPU-GPU sync point, once per step
+    grad_norm_value = _total_norm(grad_norm)
     # A non-finite norm would write NaN into every weight; verl skips such a step, and so do we.
     step_skipped = not math.isfinite(grad_norm_value)
     if not step_skipped:
@@ -108,8 +153,7 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     actor_done = clock()
 
-    # Each share is already divided by the batch's action tokens, so their sum is the token-mean.
-    result = {name: float(torch.stack(values).sum()) for name, values in shares.items()}
+    result = {name: float(value) for name, value in zip(names, totals, strict=True)}
     result.update(
         {
             "actor/grad_norm": grad_norm_value,

@@ -34,7 +34,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from learner.broadcast import receive_buckets, send_buckets
 from learner.manifest import encode_version, specs_of
 from learner.microbatch import BatchItem, make_micro_batches
-from learner.publish import prune_versions, stage_version
+from learner.publish import prune_versions, stage_version, tied_aliases, without_aliases
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.config import load_config
@@ -110,11 +110,13 @@ def step_throughput(sequences: int, repeats: int, settings: LearnerSettings) -> 
 
 
 def random_tensors(model_config: Qwen2Config) -> dict[str, torch.Tensor]:
-    """A random Qwen2 state dict of this shape, without the slow Hugging Face initialization."""
+    """A random Qwen2 version of this shape as the learner publishes it (a tied tensor once),
+    without the slow Hugging Face initialization."""
     with torch.device("meta"):
         model = Qwen2ForCausalLM(model_config)
     g = torch.Generator().manual_seed(0)
-    return {name: torch.randn(t.shape, generator=g) * 0.02 for name, t in model.state_dict().items()}
+    published = without_aliases(model.state_dict(), tied_aliases(model))
+    return {name: torch.randn(t.shape, generator=g) * 0.02 for name, t in published.items()}
 
 
 def _broadcast_receiver(port: int, specs: list, bucket_size_bytes: int) -> None:

@@ -5,7 +5,7 @@ Sources, highest first: environment variables (ROLLSTREAM_ prefix, nested
 fields joined with "__", e.g. ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS), a YAML file, the defaults.
 The local infrastructure's own variables (KAFKA_HOST/KAFKA_PORT, MINIO_HOST/MINIO_PORT,
 MINIO_ROOT_USER/MINIO_ROOT_PASSWORD, read by infra/*.sh) are honoured too, so one export moves
-both the servers and the clients.
+both the servers and the clients; so is ROLLSTREAM_DATA (the task data root, `envs.data_root`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from env_workers.envs.base import EnvSettings
 from env_workers.settings import AgentLoopSettings
 from learner.settings import LearnerSettings
 from schemas.settings import KafkaSettings, ObjectStoreSettings
@@ -114,6 +115,9 @@ class RollstreamConfig(BaseSettings):
     """Per-trajectory limits and sampling (max_turns 20, max_total_len 8192, temperature 0.8, ...)."""
     mix: MixSettings = MixSettings()
     """Training and validation tasks."""
+    envs: EnvSettings = EnvSettings()
+    """Task environments: data root (also ROLLSTREAM_DATA), round limits (AgentBench's), the os sandbox
+    backend and limits (e.g. ROLLSTREAM_ENVS__OS_SANDBOX__BACKEND=docker)."""
     streams: StreamsSettings = StreamsSettings()
     """Grouping, routing and batching (n 8, batch 256, stale ratio 0.25, stale_step 25, first batch 1.7x, ...)."""
     learner: LearnerSettings = LearnerSettings()
@@ -129,6 +133,11 @@ class RollstreamConfig(BaseSettings):
         """runs/<run>/: a relative runs_dir is taken from the repository root, not the working directory."""
         return (self.runs_dir if self.runs_dir.is_absolute() else REPO_ROOT / self.runs_dir) / run
 
+    def learner_settings(self) -> LearnerSettings:
+        """The learner's settings as the run gives them: its stale_step (retention, stale broadcasts)
+        is the streams' stale_step, set once under `streams:`."""
+        return self.learner.model_copy(update={"stale_step": self.streams.stale_step})
+
     def policy_dir(self) -> Path:
         """The policy checkpoint directory, a relative policy.path taken from the repository root."""
         return self.policy.path if self.policy.path.is_absolute() else REPO_ROOT / self.policy.path
@@ -142,6 +151,10 @@ class RollstreamConfig(BaseSettings):
         if self.learner.temperature != self.agent_loop.temperature:
             raise ValueError(f"learner.temperature ({self.learner.temperature}) must equal agent_loop.temperature "
                              f"({self.agent_loop.temperature}): the loss recomputes the sampling log-probs")
+        if "stale_step" in self.learner.model_fields_set and self.learner.stale_step != self.streams.stale_step:
+            raise ValueError(f"learner.stale_step ({self.learner.stale_step}) must equal streams.stale_step "
+                             f"({self.streams.stale_step}): the learner keeps and broadcasts the versions the stale "
+                             f"pool loads (leave learner.stale_step out: it follows streams.stale_step)")
         if self.mix.val_families and self.max_steps % self.mix.val_interval:
             raise ValueError(f"max_steps ({self.max_steps}) must be a multiple of mix.val_interval "
                              f"({self.mix.val_interval}) so the run ends with a validation round")
@@ -149,7 +162,7 @@ class RollstreamConfig(BaseSettings):
 
 
 def _infra_env() -> dict[str, Any]:
-    """Client settings implied by the infrastructure scripts' variables, when they are set."""
+    """Client settings implied by the infrastructure scripts' variables (and ROLLSTREAM_DATA), when they are set."""
     env = os.environ
     out: dict[str, Any] = {}
     if "KAFKA_HOST" in env or "KAFKA_PORT" in env:
@@ -163,6 +176,8 @@ def _infra_env() -> dict[str, Any]:
         store["secret_key"] = env["MINIO_ROOT_PASSWORD"]
     if store:
         out["object_store"] = store
+    if "ROLLSTREAM_DATA" in env:
+        out["envs"] = {"data_root": env["ROLLSTREAM_DATA"]}
     return out
 
 

@@ -4,11 +4,13 @@ One process:      rollstream learner --run r1 --model ./models/default
 Resume:           rollstream learner --run r1 --model ./models/default --resume
 Several (DDP):    torchrun --nproc_per_node 2 -m pipeline.learner_cmd --run-id r1 --model ./models/default
                   (torchrun's own parser takes `--run` for its --run-path, hence --run-id)
+Several (FSDP):   the same with --parallelism fsdp (or `parallelism: fsdp` in the settings)
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import logging
 import os
@@ -21,12 +23,11 @@ import torch
 import torch.distributed as dist
 import typer
 from pydantic import ValidationError
-from torch.nn.parallel import DistributedDataParallel
 
 from learner import distributed
-from learner.process import LearnerLoop, ProcessSettings, ResumeError, TemplateMismatch
+from learner.process import LearnerLoop, ResumeError, TemplateMismatch
 from learner.settings import LearnerSettings
-from learner.step import make_optimizer
+from learner.step import make_optimizer, train_step
 from pipeline.config import load_config
 from pipeline.engine.broadcaster import EngineBroadcaster, PoolBroadcaster
 from schemas import objectstore, topics
@@ -72,8 +73,7 @@ class _StopFlag:
         self.set = True
 
 
-def _broadcaster(current: str, stale: str, host: str, port: int, stale_step: int,
-                 settings: LearnerSettings) -> EngineBroadcaster | None:
+def _broadcaster(current: str, stale: str, host: str, port: int, settings: LearnerSettings) -> EngineBroadcaster | None:
     """The fast path to the engines named on the command line, or None (MinIO only)."""
     pools = {}
     for offset, (pool, urls) in enumerate((("current", current), ("stale", stale))):
@@ -83,7 +83,7 @@ def _broadcaster(current: str, stale: str, host: str, port: int, stale_step: int
                                           backend="nccl" if torch.cuda.is_available() else "gloo")
     if not pools:
         return None
-    return EngineBroadcaster(pools.get("current"), pools.get("stale"), stale_step)
+    return EngineBroadcaster(pools.get("current"), pools.get("stale"), settings.stale_step)
 
 
 @app.command()
@@ -95,15 +95,16 @@ def learner(
     checkpoint_interval: int | None = typer.Option(None, help="Steps between checkpoints (default: settings)."),
     lr: float | None = typer.Option(None, help="AdamW learning rate (default: settings, 1e-6)."),
     max_tokens_per_micro_batch: int | None = typer.Option(None, help="Micro-batch token budget (default: settings)."),
-    max_steps: int | None = typer.Option(None, help="Stop once the run has taken this many steps."),
-    idle_exit: float | None = typer.Option(None, help="Stop after this many seconds without a batch."),
+    parallelism: str | None = typer.Option(None, help="ddp or fsdp: how torchrun's ranks share the model (default: settings, ddp)."),
+    max_steps: int | None = typer.Option(None, min=1, help="Stop once the run has taken this many steps."),
+    idle_exit: float | None = typer.Option(None, min=0.001, help="Stop after this many seconds without a batch."),
     broadcast_current: str = typer.Option("", "--broadcast-current",
                                           help="Comma-separated engine URLs of the current pool: every version goes to them by broadcast."),
     broadcast_stale: str = typer.Option("", "--broadcast-stale",
                                         help="Comma-separated engine URLs of the stale pool: every --stale-step-th version."),
     broadcast_host: str = typer.Option("127.0.0.1", "--broadcast-host", help="Address the engines reach this learner at."),
     broadcast_port: int = typer.Option(29555, "--broadcast-port", help="First port of the weight-sync groups (current; stale +1)."),
-    stale_step: int = typer.Option(25, "--stale-step", help="Versions between stale-pool refreshes (AgentRL: 25)."),
+    stale_step: int | None = typer.Option(None, "--stale-step", help="Versions between stale-pool refreshes (default: settings, AgentRL's 25)."),
     config: Path | None = typer.Option(None, "--config", help="YAML configuration file."),
     settings_file: Path | None = typer.Option(None, "--settings", help="LearnerSettings as JSON (what `rollstream up` "
                                               "passes); the options above override single fields of it."),
@@ -118,11 +119,11 @@ def learner(
     if not (model_path / "config.json").is_file():
         _fail(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
     overrides = {k: v for k, v in {"checkpoint_interval": checkpoint_interval, "lr": lr,
-                                   "max_tokens_per_micro_batch": max_tokens_per_micro_batch}.items() if v is not None}
+                                   "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
+                                   "parallelism": parallelism, "stale_step": stale_step}.items() if v is not None}
     try:
         base = json.loads(settings_file.read_text()) if settings_file is not None else {}
         settings = LearnerSettings(**{**base, **overrides})
-        process = ProcessSettings(max_steps=max_steps, idle_exit_s=idle_exit)
     except ValidationError as e:
         _fail(f"invalid setting: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}")
     except (OSError, ValueError) as e:
@@ -140,45 +141,67 @@ def learner(
     stop = _StopFlag()
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    loop: LearnerLoop | None = None
+    leader: distributed.Leader | None = None
     try:
         if rank != 0:
-            distributed.sync_from_leader(model, optimizer)
-            distributed.follow(DistributedDataParallel(model), ref, optimizer, settings)
+            _follow(model, ref, optimizer, settings)
             return
-        producer = EventProducer(cfg.kafka, client_id=f"learner-{run}")
-        mc = objectstore.client(cfg.object_store)
-        objectstore.ensure_buckets(mc, [topics.WEIGHTS_BUCKET, topics.CHECKPOINTS_BUCKET])
-        loop = LearnerLoop(
-            run=run, settings=settings, process=process, model=model, optimizer=optimizer,
-            broadcaster=_broadcaster(broadcast_current, broadcast_stale, broadcast_host, broadcast_port,
-                                     stale_step, settings),
-            step_fn=distributed.single_process_step_fn(model, ref, optimizer, settings), model_config=model_config,
-            template_fingerprint=policy_template(model_path),
-            kafka=cfg.kafka, mc=mc, producer=producer, should_stop=lambda: stop.set,
-            progress=(lambda line: None) if quiet else (lambda line: typer.echo(line, err=True)),
-        )
+        error = None
         try:
+            producer = EventProducer(cfg.kafka, client_id=f"learner-{run}")
+            mc = objectstore.client(cfg.object_store)
+            objectstore.ensure_buckets(mc, [topics.WEIGHTS_BUCKET, topics.CHECKPOINTS_BUCKET])
+            loop = LearnerLoop(
+                run=run, settings=settings, model=model, optimizer=optimizer,
+                broadcaster=_broadcaster(broadcast_current, broadcast_stale, broadcast_host, broadcast_port, settings),
+                step_fn=functools.partial(train_step, model, ref, optimizer, settings=settings),
+                model_config=model_config, template_fingerprint=policy_template(model_path), max_steps=max_steps,
+                idle_exit_s=idle_exit, kafka=cfg.kafka, mc=mc, producer=producer, should_stop=lambda: stop.set,
+                progress=(lambda line: None) if quiet else (lambda line: typer.echo(line, err=True)),
+            )
             state = loop.start(resume=resume)
         except ResumeError as e:
-            _fail(str(e))
+            error = str(e)
+        except Exception as e:
+            if world > 1:  # the other ranks must not wait for a start that will never come
+                distributed.agree_to_start(f"rank 0 failed to start: {e!r}")
+            raise
+        if world > 1:
+            distributed.agree_to_start(error)
+        if error is not None:
+            _fail(error)
         if world > 1:
             distributed.sync_from_leader(model, optimizer)
-            ddp = DistributedDataParallel(model)
-            loop.step_fn = distributed.leader_step_fn(ddp, ref, optimizer, settings)
+            leader = distributed.Leader(model, distributed.parallelize(model, optimizer, settings), ref, settings)
+            loop.step_fn, loop.weights, loop.optimizer_state = leader.step, leader.weights, leader.optimizer_state
         try:
             state = loop.loop(state)
         except TemplateMismatch as e:
             _fail(str(e))
         finally:
-            if world > 1:
-                distributed.share_batch(None)
+            if leader is not None:
+                leader.stop()
         producer.flush()
         if as_json:
             typer.echo(json.dumps({"run": run, "step": state.step, "version": state.version,
                                    "applied_batches": len(state.applied_batch_ids)}))
     finally:
         if world > 1:
+            # The DDP/FSDP wrapper goes before its process group: a DDP reducer that outlived the
+            # group hung the process at exit.
+            loop = leader = None  # noqa: F841
             dist.destroy_process_group()
+
+
+def _follow(model: torch.nn.Module, ref: torch.nn.Module, optimizer: torch.optim.Optimizer,
+            settings: LearnerSettings) -> None:
+    """A rank other than 0: wait for rank 0's start, take its state, then carry out its commands."""
+    error = distributed.agree_to_start(None)
+    if error is not None:
+        _fail(f"rank {dist.get_rank()}: {error}")
+    distributed.sync_from_leader(model, optimizer)
+    distributed.follow(model, distributed.parallelize(model, optimizer, settings), ref, settings)
 
 
 if __name__ == "__main__":

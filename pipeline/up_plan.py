@@ -73,15 +73,14 @@ def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
                   engine_urls: dict[str, list[str]], broadcast_port: int, *, resume: bool = False) -> Child:
     settings_path = run_dir / "settings" / "learner.json"
     argv = ["learner", "--run", run, "--model", str(model_dir), "--settings", str(settings_path),
-            "--max-steps", str(cfg.max_steps), "--stale-step", str(cfg.streams.stale_step),
-            "--broadcast-port", str(broadcast_port)]
+            "--max-steps", str(cfg.max_steps), "--broadcast-port", str(broadcast_port)]
     if engine_urls.get("current"):
         argv += ["--broadcast-current", ",".join(engine_urls["current"])]
     if engine_urls.get("stale"):
         argv += ["--broadcast-stale", ",".join(engine_urls["stale"])]
     if resume:
         argv.append("--resume")
-    return Child("learner", rollstream(*argv), {str(settings_path): cfg.learner.model_dump_json(indent=2)},
+    return Child("learner", rollstream(*argv), {str(settings_path): cfg.learner_settings().model_dump_json(indent=2)},
                  restart_args=() if resume else ("--resume",))
 
 

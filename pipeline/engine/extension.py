@@ -11,7 +11,9 @@ loads the new values into embed_tokens, but sees lm_head as a layer with nothing
 ("ParallelLMHead: Failed to load weights") and never reprocesses it, so on CPU, where lm_head's
 GEMM uses a copy prepacked at start-up, the logits kept coming from the OLD embedding (greedy
 output differed from torch's). `_retie_embeddings` makes sure the two share one parameter and
-redoes lm_head's kernel-format processing after every load.
+redoes lm_head's kernel-format processing after every load. The learner publishes a tied tensor
+once, as model.embed_tokens.weight (learner/publish.py), so every update reaches lm_head only
+through this re-tie.
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import time
 import uuid
@@ -14,11 +15,10 @@ from confluent_kafka import Consumer, TopicPartition
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from learner import publish
-from learner.distributed import single_process_step_fn
 from learner.manifest import decode_version
-from learner.process import LearnerLoop, ProcessSettings, ResumeError
+from learner.process import LearnerLoop, ResumeError
 from learner.settings import LearnerSettings
-from learner.step import make_optimizer
+from learner.step import make_optimizer, train_step
 from pipeline.learner_cmd import load_policy
 from schemas import arrays, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
@@ -30,10 +30,12 @@ SETTINGS = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=64, checkpoint_in
 
 
 def save_tiny_model(directory: Path) -> Path:
-    """The brief's tiny random Qwen2, saved as a Hugging Face checkpoint."""
+    """The brief's tiny random Qwen2, saved as a Hugging Face checkpoint; lm_head tied to the
+    embedding, as the default policy's is."""
     torch.manual_seed(0)
     config = Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=32, vocab_size=300, max_position_embeddings=128)
+                         num_key_value_heads=1, head_dim=32, vocab_size=300, max_position_embeddings=128,
+                         tie_word_embeddings=True)
     Qwen2ForCausalLM(config).save_pretrained(directory)
     return directory
 
@@ -89,11 +91,12 @@ def staged_tensors(mc, event: dict) -> dict[str, torch.Tensor]:
     return decode_version(manifest, shards)
 
 
-def make_loop(infra, run: str, model_dir: Path, process: ProcessSettings) -> LearnerLoop:
+def make_loop(infra, run: str, model_dir: Path, settings: LearnerSettings = SETTINGS, **loop) -> LearnerLoop:
     model, ref, config = load_policy(model_dir)
-    optimizer = make_optimizer(model, SETTINGS)
-    return LearnerLoop(run=run, settings=SETTINGS, process=process, model=model, optimizer=optimizer,
-                       step_fn=single_process_step_fn(model, ref, optimizer, SETTINGS), model_config=config,
+    optimizer = make_optimizer(model, settings)
+    return LearnerLoop(run=run, settings=settings, model=model, optimizer=optimizer,
+                       step_fn=functools.partial(train_step, model, ref, optimizer, settings=settings),
+                       model_config=config, **loop,
                        kafka=infra.kafka, mc=objectstore.client(infra.object_store),
                        producer=EventProducer(infra.kafka), broadcaster=lambda tensors, version: ["current"])
 
@@ -110,9 +113,9 @@ def test_learner_publishes_one_verified_version_per_batch_and_skips_repeats(infr
 
     metrics_consumer = EventConsumer(infra.kafka, group_id=f"check-{uuid.uuid4().hex}", topic_names=[])
     metrics_consumer.assign({topics.METRICS: metrics_consumer.end_offsets(topics.METRICS)})
-    loop = make_loop(infra, run, model_dir,
-                     ProcessSettings(max_steps=4, keep_versions=2, stale_step=2, keep_stale_versions=1,
-                                     poll_timeout_s=0.2, idle_exit_s=30))
+    settings = LearnerSettings(**{**SETTINGS.model_dump(), "keep_versions": 2, "stale_step": 2,
+                                  "keep_stale_versions": 1, "poll_timeout_s": 0.2})
+    loop = make_loop(infra, run, model_dir, settings, max_steps=4, idle_exit_s=30)
     state = loop.loop(loop.start(resume=False))
 
     events = weight_events(infra, run, 5)
@@ -122,8 +125,10 @@ def test_learner_publishes_one_verified_version_per_batch_and_skips_repeats(infr
     assert state.step == 4 and state.version == 4
     mc = loop.mc
     newest = staged_tensors(mc, events[-1])
+    # the tied lm_head is published once, as the embedding it is
+    assert "lm_head.weight" not in newest and "model.embed_tokens.weight" in newest
     for name, tensor in loop.model.state_dict().items():
-        assert torch.equal(newest[name], tensor), name
+        assert torch.equal(newest[name.replace("lm_head.", "model.embed_tokens.")], tensor), name
     # retention: the 2 newest, the newest multiple of stale_step (4), and the checkpoints' versions (2, 4)
     assert publish.staged_versions(mc, run) == [2, 3, 4]
     # every batch offset, the duplicate and the other run's included, is committed
@@ -147,11 +152,11 @@ def test_learner_publishes_one_verified_version_per_batch_and_skips_repeats(infr
 def test_a_fresh_start_on_a_run_with_versions_is_refused(infra, tmp_path):
     run = f"learner-{uuid.uuid4().hex[:10]}"
     model_dir = save_tiny_model(tmp_path / "model")
-    first = make_loop(infra, run, model_dir, ProcessSettings(max_steps=1))
+    first = make_loop(infra, run, model_dir, max_steps=1)
     first.start(resume=False)
     assert [e["version"] for e in weight_events(infra, run, 1)] == [0]
     with pytest.raises(ResumeError, match="already has versions up to 0"):
-        make_loop(infra, run, model_dir, ProcessSettings(max_steps=1)).start(resume=False)
+        make_loop(infra, run, model_dir, max_steps=1).start(resume=False)
 
 
 def test_learner_command_refuses_a_directory_without_a_model_in_one_line(tmp_path):

@@ -31,7 +31,8 @@ from schemas.weight_layout import WeightManifest
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-TINY = PolicyModelSettings(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256)
+# Bytes only: the batches below are random byte ids, fingerprinted with the bytes-only tokenizer.
+TINY = PolicyModelSettings(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256, vocab_size=256)
 PROMPT = [257, 104, 101, 108, 108, 111]  # <|im_start|> then "hello" as bytes
 TEMPERATURE = 0.8
 LOGPROB_TOLERANCE = 1e-4

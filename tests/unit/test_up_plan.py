@@ -59,14 +59,16 @@ def test_settings_files_carry_each_components_whole_settings(cfg, tmp_path):
     settings = EnvWorkerSettings.model_validate_json(next(iter(worker.files.values())))
     assert settings.agent_loop == cfg.agent_loop and settings.engine_urls == URLS
     learner = learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555)
-    assert LearnerSettings(**json.loads(next(iter(learner.files.values())))) == cfg.learner
+    settings = LearnerSettings(**json.loads(next(iter(learner.files.values()))))
+    # the learner's stale_step (retention, stale broadcasts) is the streams' one
+    assert settings == cfg.learner.model_copy(update={"stale_step": cfg.streams.stale_step})
 
 
 def test_learner_broadcasts_to_both_pools_and_stops_at_max_steps(cfg, tmp_path):
     params = _parse(learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555))
     assert params["broadcast_current"] == "http://127.0.0.1:8001,http://127.0.0.1:8002"
     assert params["broadcast_stale"] == "http://127.0.0.1:8003"
-    assert params["max_steps"] == cfg.max_steps and params["stale_step"] == cfg.streams.stale_step
+    assert params["max_steps"] == cfg.max_steps
 
 
 def test_dispatcher_gets_the_mix_and_the_group_and_batch_sizes_of_the_streams(cfg):
@@ -100,6 +102,21 @@ def test_max_turns_of_router_and_agent_loop_must_agree():
 def test_sampling_temperature_of_learner_and_agent_loop_must_agree():
     with pytest.raises(ValidationError, match="temperature"):
         RollstreamConfig(learner={"temperature": 1.0})
+
+
+def test_a_learner_stale_step_other_than_the_streams_is_refused():
+    with pytest.raises(ValidationError, match="stale_step"):
+        RollstreamConfig(streams={"stale_step": 5}, learner={"stale_step": 4})
+    assert RollstreamConfig(streams={"stale_step": 5}, learner={"stale_step": 5}).learner_settings().stale_step == 5
+
+
+def test_every_learner_setting_is_reachable_from_the_yaml_file(tmp_path):
+    retention = {"keep_versions": 5, "keep_stale_versions": 1, "keep_checkpoints": 4, "poll_timeout_s": 0.5,
+                 "parallelism": "fsdp", "lr": 2e-6, "checkpoint_interval": 3}
+    path = tmp_path / "run.yaml"
+    path.write_text(json.dumps({"learner": retention}))  # JSON is YAML
+    settings = load_config(path).learner_settings()
+    assert {k: getattr(settings, k) for k in retention} == retention
 
 
 def test_max_steps_must_end_on_a_validation_round():
