@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,10 +19,10 @@ from rich.table import Table
 from env_workers.envs import registry
 from env_workers.envs.base import EnvSettings
 from env_workers.envs.check import check_family
+from pipeline.config import load_config
 
 app = typer.Typer(help="Task environments: checks of their data and graders.", no_args_is_help=True)
 
-DATA_ENV = "ROLLSTREAM_DATA"
 
 
 @app.callback()
@@ -32,9 +31,9 @@ def env() -> None:
 
 
 def env_settings() -> EnvSettings:
-    """Environment settings, with the data root from ROLLSTREAM_DATA when it is set."""
-    data_root = os.environ.get(DATA_ENV)
-    return EnvSettings(data_root=Path(data_root)) if data_root else EnvSettings()
+    """Environment settings of the configuration without a file: ROLLSTREAM_ENVS__* and ROLLSTREAM_DATA
+    over the defaults (commands that take --config use that file's `envs` instead)."""
+    return load_config().envs
 
 
 def _fail(message: str) -> None:

@@ -109,7 +109,7 @@ def run_eval(cfg: RollstreamConfig, model_dir: Path, version: int, sources: tupl
         follower.start()
         stack.start(streams_child(cfg, run, run_dir, free_port(), components=("router",)))
         for child in env_worker_children(cfg, run, run_dir, model_dir, {"current": [stack.engines[0].url]},
-                                         env_settings()):
+                                         cfg.envs):
             stack.start(child)
         with EventProducer(cfg.kafka, client_id=f"eval-{run}") as producer:
             for e in requests:

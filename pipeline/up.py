@@ -30,7 +30,6 @@ from rich.live import Live
 
 from pipeline.config import REPO_ROOT, RollstreamConfig
 from pipeline.engine.launch import EngineProcess, free_port, launch_engine, stop_process_group
-from pipeline.env_cmd import env_settings
 from pipeline.run_view import RunView, render
 from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
                               learner_child, rollstream, streams_app_id, streams_child)
@@ -291,7 +290,7 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
         follower = RunFollower(cfg.kafka, view, since_ms=int(started * 1000) - 5000)
         follower.start()
         stack.start(streams_child(cfg, run, run_dir, free_port()))
-        for child in env_worker_children(cfg, run, run_dir, model_dir, urls, env_settings()):
+        for child in env_worker_children(cfg, run, run_dir, model_dir, urls, cfg.envs):
             stack.start(child)
         stack.start(learner_child(cfg, run, run_dir, model_dir, urls, free_port()))
         stack.start(dispatcher_child(cfg, run))

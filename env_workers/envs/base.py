@@ -28,6 +28,7 @@ record (loader, environment factory, oracle and no-op policies) that the registr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import uuid
@@ -39,6 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
+
+from env_workers.sandbox.settings import SandboxSettings
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ class Status(StrEnum):
 
 
 class EnvSettings(BaseModel):
-    """Where the task data lives and each family's round limit."""
+    """Where the task data lives, each family's round limit and the os family's sandboxes."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -83,6 +86,8 @@ class EnvSettings(BaseModel):
     """Generated calculator tasks in the train split (no paper default; small and fast for CPU checks)."""
     calc_dev_tasks: int = 200
     """Generated calculator tasks in the dev split."""
+    os_sandbox: SandboxSettings = SandboxSettings()
+    """The os family's sandbox backend and limits (AgentBench: Docker containers, 30 s per command)."""
 
 
 class ActionError(Exception):
@@ -149,11 +154,13 @@ class Session:
 
 @dataclass(frozen=True)
 class Opened:
-    """What a family's `open` hook returns: the prompt, the tools and the family's private state."""
+    """What a family's `open` hook returns: the prompt, the tools, the family's private state and
+    metrics of the set-up (they start the session's running totals)."""
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]]
     state: Any = None
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
 def tool(name: str, description: str, parameters: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -303,13 +310,20 @@ class Environment(ABC):
     async def start(self, sample: Mapping[str, Any]) -> Session:
         """Opens a session; raises TaskError (after releasing what was acquired) when the task cannot be built."""
         session = Session(id=uuid.uuid4().hex, sample=sample, messages=[], tools=[])
+        # Shielded: cancelling `open` midway could lose what a worker thread is still creating (a
+        # container), so a cancelled start lets it finish, releases what it built, then re-raises.
+        opening = asyncio.ensure_future(self.open(sample))
         try:
-            opened = await self.open(sample)
+            opened = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            await self._release_abandoned(opening, session)
+            raise
         except Exception as error:
             await self.end(session)
             raise TaskError(f"{self.family}: cannot start task {sample.get('id')!r}: {error!r}") from error
         session.messages, session.tools, session.state = opened.messages, opened.tools, opened.state
-        session.metrics = {"rounds": 0.0, "tool_calls": 0.0, "malformed_calls": 0.0, "tool_errors": 0.0}
+        session.metrics = {"rounds": 0.0, "tool_calls": 0.0, "malformed_calls": 0.0, "tool_errors": 0.0,
+                           **opened.metrics}
         return session
 
     async def observation(self, session: Session, assistant_message: Mapping[str, Any]) -> Observation:
@@ -343,6 +357,18 @@ class Environment(ABC):
             log.exception("%s: releasing session %s failed", self.family, session.id)
 
     # --- internals ----------------------------------------------------------------------------
+
+    async def _release_abandoned(self, opening: asyncio.Future[Opened], session: Session) -> None:
+        """Waits out the `open` of a cancelled start, however often cancelled again (every family's
+        open is bounded by its own timeouts), and ends the session it built."""
+        while not opening.done():
+            try:
+                await asyncio.wait({opening})
+            except asyncio.CancelledError:
+                continue
+        if not opening.cancelled() and opening.exception() is None:
+            session.state = opening.result().state
+        await asyncio.shield(self.end(session))
 
     async def _apply(
         self, session: Session, assistant_message: Mapping[str, Any]

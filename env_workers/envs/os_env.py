@@ -1,8 +1,12 @@
 """The os family: AgentBench's OS interaction tasks behind the function-call API, in a sandbox.
 
 Per session (AgentBench `start_sample`/`_judge`): a fresh sandbox from the task's image; the
-`init` scripts run as independent processes (a failing one is an infrastructure failure, as
-AgentBench returns UNKNOWN); the `start` script runs in the persistent shell; then up to 8 rounds
+`init` scripts run as independent processes whose exit codes are not checked, as AgentBench
+discards `exec_run`'s result (a script that fails part-way, e.g. data/4/Q09's redirection to fd
+123321 above the open-file limit, leaves what it did; counted in `metrics["init_failures"]`, and
+the golden/no-op check finds the tasks this breaks); a sandbox that cannot run a script or a
+script that runs past its time limit is an infrastructure failure (`task_error`, as AgentBench's
+exception gives UNKNOWN); the `start` script runs in the persistent shell; then up to 8 rounds
 of `bash_action` (output cut at 800 characters as AgentBench cuts it), ended by `answer_action`
 or `finish_action`, which are graded by `os_tasks.grade` inside the same sandbox.
 Reward 1 when the judgement passes, else 0.
@@ -10,6 +14,7 @@ Reward 1 when the judgement passes, else 0.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +35,8 @@ from env_workers.envs.base import (
 from env_workers.envs.os_tasks import Script, grade, load_tasks, script_argv
 from env_workers.sandbox import Sandbox, SandboxBackend, SandboxSettings, make_backend
 from env_workers.sandbox.base import ExecResult, truncate_output
+
+log = logging.getLogger(__name__)
 
 SYSTEM_PROMPT = (
     "You are an assistant that acts like a person operating a Linux (Ubuntu) shell. I play the operating "
@@ -87,19 +94,24 @@ class OsEnvironment(Environment):
             # AgentBench opens the agent's `bash --login` before the init scripts run, so what they
             # write to ~/.bashrc is not yet in the shell's environment.
             await sandbox.shell.ensure()
+            init_failures = 0
             for script in sample["init"]:
                 if script is None:
                     continue
                 result = await self._run_script(sandbox, script, [])
+                if result.timed_out:
+                    raise TaskError(f"init script ran past {self.sandbox_settings.script_timeout_s:g} s")
                 if result.exit_code != 0:
-                    raise TaskError(f"init script failed ({result.exit_code}): {result.output[-300:]}")
+                    init_failures += 1
+                    log.info("%s: init script exited %d: %s", sample["id"], result.exit_code, result.output[-300:])
             if sample["start"] is not None:
                 await sandbox.shell.run(sample["start"][1], self.sandbox_settings.command_timeout_s)
         except BaseException:
             await sandbox.close()
             raise
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": sample["description"]}]
-        return Opened(messages=messages, tools=list(TOOLS), state=OsState(sample, sandbox))
+        return Opened(messages=messages, tools=list(TOOLS), state=OsState(sample, sandbox),
+                      metrics={"init_failures": float(init_failures)})
 
     async def call_tool(self, session: Session, call: ToolCall) -> Outcome:
         state: OsState = session.state
@@ -139,7 +151,8 @@ class OsEnvironment(Environment):
 
 
 def make(settings: EnvSettings, sandbox: SandboxSettings | None = None) -> OsEnvironment:
-    return OsEnvironment(settings.os_rounds, sandbox or SandboxSettings())
+    """The os family with `settings.os_sandbox`, or `sandbox` instead (benchmarks compare backends)."""
+    return OsEnvironment(settings.os_rounds, sandbox or settings.os_sandbox)
 
 
 FAMILY = Family(

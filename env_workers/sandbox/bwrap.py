@@ -9,9 +9,10 @@ Isolation (what Docker gives AgentBench, rebuilt from kernel parts):
 - files: per session, a tmpfs of `disk_bytes` (the disk limit) holds an overlayfs upper layer
   over the read-only root filesystem; that overlay is the sandbox's `/`. The shared root
   filesystem is never written; the tmpfs is unmounted and removed at the end;
-- limits: RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_CPU per process, RLIMIT_NPROC over all sandboxes as a
-  host-wide backstop, and a per-session cgroup (v2, else v1 pids/memory/cpu) when writable;
-  wall time per command in ShellSession.
+- limits: RLIMIT_AS, RLIMIT_FSIZE, RLIMIT_CPU per process, RLIMIT_NOFILE as Docker's (capped by
+  the host: `open_files_limit`), RLIMIT_NPROC over all sandboxes as a host-wide backstop, and a
+  per-session cgroup (v2, else v1 pids/memory/cpu) when writable; wall time per command in
+  ShellSession.
 Independent scripts (init, check) enter the shell's namespaces with nsenter (as the sandbox's
 root, under the same limits), as AgentBench's exec_run enters its container.
 
@@ -27,6 +28,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import resource
 import shlex
 import shutil
 import signal
@@ -62,6 +64,26 @@ def _mount(source: str, target: str, fstype: str, data: str) -> None:
 
 def _umount(target: Path) -> None:
     _libc.umount2(str(target).encode(), MNT_DETACH)
+
+
+CAP_SYS_RESOURCE = 24
+
+
+def _has_capability(bit: int) -> bool:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("CapEff:"):
+            return bool(int(line.split()[1], 16) >> bit & 1)
+    return False
+
+
+def open_files_limit(wanted: int) -> int:
+    """The RLIMIT_NOFILE sandboxes get: `wanted`, or the host's hard limit when this process may
+    not raise it (no CAP_SYS_RESOURCE, as in some VMs): above it prlimit fails and bwrap never starts."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY or wanted <= hard or _has_capability(CAP_SYS_RESOURCE):
+        return wanted
+    log.warning("open-file limit of OS sandboxes capped at the host's %d (wanted %d)", hard, wanted)
+    return hard
 
 
 def _children_map() -> dict[int, list[int]]:
@@ -183,10 +205,11 @@ class _BwrapShell(ShellChannel):
 class BwrapSandbox(Sandbox):
     backend = "bwrap"
 
-    def __init__(self, settings: SandboxSettings, rootfs: str) -> None:
+    def __init__(self, settings: SandboxSettings, rootfs: str, open_files: int) -> None:
         super().__init__()
         self.settings = settings
         self.rootfs = rootfs
+        self.open_files = open_files
         self.id = f"{os.getpid()}-{uuid.uuid4().hex[:16]}"  # the owner's pid: see sweep_orphans
         self.uid = settings.uid_base
         self.dir = Path(tempfile.mkdtemp(prefix=f"rollstream-os-{os.getpid()}-", dir=settings.work_dir))
@@ -225,7 +248,7 @@ class BwrapSandbox(Sandbox):
         joins = "".join(f"echo $$ > {shlex.quote(str(path / 'cgroup.procs'))}; "
                         for path in (self.cgroup.paths if self.cgroup else []))
         limits = ["prlimit", f"--nproc={s.max_processes_all}", f"--as={s.memory_bytes}",
-                  f"--fsize={s.file_bytes}", f"--cpu={s.cpu_seconds}"]
+                  f"--fsize={s.file_bytes}", f"--cpu={s.cpu_seconds}", f"--nofile={self.open_files}"]
         uid = ["setpriv", f"--reuid={self.uid}", f"--regid={self.uid}", "--clear-groups"] if as_sandbox_uid else []
         return ["sh", "-c", joins + 'exec "$@"', "sh", *limits, *uid, *command]
 
@@ -356,6 +379,7 @@ class BwrapBackend(SandboxBackend):
         if shutil.which("bwrap") is None:
             raise SandboxCrashed("bwrap is not installed (apt-get install -y bubblewrap)")
         self._owned: set[str] = set()
+        self.open_files = open_files_limit(settings.open_files)
         swept = sweep_orphans(settings)
         if swept:
             log.warning("cleaned up %d sandbox sessions left behind by env workers that died", swept)
@@ -365,7 +389,7 @@ class BwrapBackend(SandboxBackend):
         if rootfs not in self._owned:
             await asyncio.to_thread(own_rootfs, rootfs, self.settings.uid_base)
             self._owned.add(rootfs)
-        sandbox = BwrapSandbox(self.settings, rootfs)
+        sandbox = BwrapSandbox(self.settings, rootfs, self.open_files)
         try:
             await asyncio.to_thread(sandbox.prepare)
         except Exception as error:

@@ -43,6 +43,8 @@ class SandboxSettings(BaseModel):
     """Size of the session's writable tmpfs (files the task and the agent write)."""
     file_bytes: int = 128 * 1024 * 1024
     """Largest single file a sandboxed process may write (RLIMIT_FSIZE)."""
+    open_files: int = 1024 * 1024
+    """bubblewrap's RLIMIT_NOFILE: the 1048576 Docker gave AgentBench's containers (data/4/Q09 uses fd 123321)."""
     max_processes_all: int = 4096
     """RLIMIT_NPROC of the bubblewrap uid, all sandboxes together: the backstop without cgroups."""
     uid_base: int = 200_000

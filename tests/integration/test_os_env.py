@@ -15,25 +15,19 @@ from env_workers.sandbox import SandboxSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKER_HOST = f"unix://{REPO_ROOT / '.run' / 'dockerd' / 'docker.sock'}"
-# Golden failures on bubblewrap (see the report): chown/chgrp to a user other than root (one uid
-# mapped), apt-get without network, fd 123321 above RLIMIT_NOFILE, process counts that differ
-# between the agent's shell and the checker's exec.
-BWRAP_GOLDEN_FAILS = {
-    "data/4/Q09-00000", "data/6/new-00000", "data/6/new-00001", "data/6/new-00002", "data/6/new-00005",
-    "data/6/new-00006", "data/6/new-00008", "data/7/bootstrap-00000", "data/7/bootstrap-00015",
-    "data/7/bootstrap-00047",
+# Golden failures on both backends: apt-get without network (new-00005, 00006, 00008), process
+# counts that differ between the agent's shell and the checker's exec (bootstrap-00000, 00015, 00047).
+BOTH_GOLDEN_FAILS = {
+    "data/6/new-00005", "data/6/new-00006", "data/6/new-00008",
+    "data/7/bootstrap-00000", "data/7/bootstrap-00015", "data/7/bootstrap-00047",
 }
+# bubblewrap maps one uid (root): chgrp to another group fails (new-00002). Its chown in new-00000/1
+# fails too, but only in an init script whose exit code AgentBench ignores, and the checks pass.
+BWRAP_GOLDEN_FAILS = BOTH_GOLDEN_FAILS | {"data/6/new-00002"}
 # Counts taken at an instant: the agent's answer and the checker's recount run a moment apart, and a
 # pipeline's forked-but-not-yet-exec'd children show as `bash` (00001), the host's memory use moves
 # (00008). Their golden passes most runs and fails some, on any backend: not asserted either way.
 TIMING_DEPENDENT = {"data/7/bootstrap-00001", "data/7/bootstrap-00008"}
-# Docker containers have a read-only root (size-bounded tmpfs only at /tmp, /root, /home, ...):
-# init scripts that write to /, /usr or /etc fail there (measured on every 6th task).
-DOCKER_SAMPLE_GOLDEN_FAILS = {
-    "data/1/stock-00000", "data/1/stock-00006", "data/4/N11-00000", "data/4/N41-00002", "data/4/Q30-00002",
-    "data/5/new-00005", "data/6/new-00001", "data/6/new-00007", "data/7/bootstrap-00004", "data/7/bootstrap-00010",
-    "data/7/bootstrap-00022", "data/7/bootstrap-00028", "data/7/bootstrap-00034", "data/7/bootstrap-00046",
-}
 
 pytestmark = pytest.mark.integration
 
@@ -83,9 +77,10 @@ def test_golden_passes_and_noop_fails_on_all_os_tasks_under_bwrap() -> None:
     assert noop_passes == set()
 
 
-def test_golden_and_noop_on_a_fixed_sample_under_docker() -> None:
+def test_golden_passes_and_noop_fails_on_all_os_tasks_under_docker() -> None:
+    """Docker's writable layer (bounded by a tmpfs) lets init scripts write to /, /usr and /etc."""
     subprocess.run([REPO_ROOT / "infra" / "sandbox" / "dockerd.sh", "start"], check=True)
-    samples = list(registry.samples("os", "test", EnvSettings()))[::6]
+    samples = list(registry.samples("os", "test", EnvSettings()))
     golden_fails, noop_passes = _check(SandboxSettings(backend="docker", docker_host=DOCKER_HOST), samples)
-    assert golden_fails - TIMING_DEPENDENT == DOCKER_SAMPLE_GOLDEN_FAILS
+    assert golden_fails - TIMING_DEPENDENT == BOTH_GOLDEN_FAILS
     assert noop_passes == set()

@@ -20,7 +20,7 @@ from env_workers.envs.base import EnvSettings, Status, assistant_call
 from env_workers.envs.os_env import OsEnvironment, make
 from env_workers.sandbox import SandboxSettings
 from env_workers.sandbox.bwrap import BwrapBackend
-from env_workers.sandbox.docker_backend import LABEL
+from env_workers.sandbox.docker_backend import LABEL, DockerBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKER_HOST = f"unix://{REPO_ROOT / '.run' / 'dockerd' / 'docker.sock'}"
@@ -57,7 +57,10 @@ def _leftovers(settings: SandboxSettings) -> dict[str, int]:
         client = docker.DockerClient(base_url=settings.docker_host)
         containers = client.containers.list(all=True, filters={"label": LABEL})
         client.close()
-        return {"containers": len(containers)}
+        # Bounded writable layers: a tmpfs over each container's layer directory.
+        layers = sum(1 for line in Path("/proc/mounts").read_text().splitlines()
+                     if line.startswith("tmpfs ") and "/overlay2/" in line)
+        return {"containers": len(containers), "layer_mounts": layers}
     processes = subprocess.run(["ps", "-u", str(settings.uid_base), "-o", "pid="], capture_output=True, text=True)
     mounts = Path("/proc/mounts").read_text().count("rollstream-os-")
     return {"processes": len(processes.stdout.split()), "mounts": mounts,
@@ -123,6 +126,16 @@ def test_filling_the_disk_hits_the_sandbox_limit(settings: SandboxSettings) -> N
     assert before - os.statvfs("/").f_bavail < 50 * 1024 * 1024 // os.statvfs("/").f_frsize
 
 
+def test_writes_anywhere_in_the_root_share_the_disk_limit(settings: SandboxSettings) -> None:
+    # AgentBench's init scripts write to /, /usr and /etc: the whole root is writable, and bounded.
+    outputs, status = _run(settings, [
+        "echo a > /stock.log && echo b > /usr/stock.log && echo c > /etc/stock.conf && cat /usr/stock.log",
+        "dd if=/dev/zero of=/usr/fill bs=1M count=200 2>&1 | grep -o 'No space left\\|File too large'",
+    ])
+    assert outputs[0].strip() == "b" and "No space left" in outputs[1] and status == Status.COMPLETED
+    assert all(count == 0 for count in _leftovers(settings).values())
+
+
 def test_endless_sleep_is_killed_at_the_command_timeout(settings: SandboxSettings) -> None:
     outputs, status = _run(settings, ["sleep infinity", "echo still-here"])
     assert "was killed" in outputs[0] and "still-here" in outputs[1] and status == Status.COMPLETED
@@ -170,3 +183,24 @@ def test_sessions_of_a_sigkilled_worker_are_swept_by_the_next_backend() -> None:
     BwrapBackend(settings)
     assert all(count == 0 for count in _leftovers(settings).values()), json.dumps(_leftovers(settings))
     assert not list(Path("/sys/fs/cgroup").glob(f"rollstream-{holder.pid}-*"))
+
+
+def test_containers_of_a_sigkilled_worker_are_removed_by_the_next_docker_backend(dockerd: str) -> None:
+    settings = SandboxSettings(backend="docker", docker_host=dockerd, **LIMITS)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import asyncio, time\n"
+         "from env_workers.sandbox import SandboxSettings\n"
+         "from env_workers.sandbox.docker_backend import DockerBackend\n"
+         f"settings = SandboxSettings(backend='docker', docker_host={dockerd!r}, **{LIMITS!r})\n"
+         "backend = DockerBackend(settings)\n"
+         "sandboxes = [asyncio.run(backend.open('default')) for _ in range(2)]\n"
+         "print('open', flush=True)\n"
+         "time.sleep(600)\n"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "open"
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _leftovers(settings)["containers"] == 2  # nobody cleaned up after the SIGKILL
+    DockerBackend(settings).client.close()
+    assert all(count == 0 for count in _leftovers(settings).values()), json.dumps(_leftovers(settings))

@@ -259,3 +259,18 @@ def test_settings_are_frozen_and_reject_unknown_fields() -> None:
     with pytest.raises(ValueError):
         settings.db_rounds = 3  # type: ignore[misc]
     assert (settings.db_rounds, settings.kg_rounds, settings.os_rounds) == (15, 15, 8)
+
+
+def test_metrics_of_the_set_up_start_the_sessions_running_totals() -> None:
+    class CountingSetUp(EchoEnvironment):
+        async def open(self, sample: Mapping[str, Any]) -> Opened:
+            return Opened([{"role": "user", "content": sample["q"]}], TOOLS, metrics={"init_failures": 1.0})
+
+    async def run() -> dict[str, float]:
+        env = CountingSetUp()
+        session = await _started(env)
+        observation = await env.observation(session, _raw("echo", '{"text": "x"}'))
+        return observation.metrics
+
+    metrics = _run(run())
+    assert metrics["init_failures"] == 1.0 and metrics["rounds"] == 1.0
