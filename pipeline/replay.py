@@ -28,9 +28,11 @@ import pyarrow.parquet as pq
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from pipeline.replay_logic import Bound, ReplayRecord, ReplayStats, UndecodableRecord, arrow_schema, flatten, run_of
-from schemas import topics
+from minio.error import MinioException
+
+from schemas import objectstore, topics
 from schemas.codec import UndecodableEvent, codec
-from schemas.settings import KafkaSettings
+from schemas.settings import KafkaSettings, ObjectStoreSettings
 
 __all__ = ["Bound", "ReplayError", "ReplayRecord", "ReplayStats", "read_run", "read_topic", "write_records",
            "SUFFIXES", "VERIFY_TOPICS"]
@@ -43,6 +45,21 @@ VERIFY_TOPICS: tuple[str, ...] = tuple(t for t in topics.ALL_TOPICS if t != topi
 
 class ReplayError(RuntimeError):
     """The topic cannot be read: it does not exist, or the broker stopped answering."""
+
+
+Fetch = Callable[[str], bytes]
+"""Reads an object by its s3:// URI (claim-checked events are stored whole in the object store)."""
+
+
+def store_fetch(store: ObjectStoreSettings) -> Fetch:
+    """A Fetch from the object store; the client is made on the first claim check."""
+    clients: list[Any] = []
+
+    def fetch(uri: str) -> bytes:
+        if not clients:
+            clients.append(objectstore.client(store))
+        return objectstore.get_bytes(clients[0], *objectstore.parse_uri(uri))
+    return fetch
 
 
 def _consumer(kafka: KafkaSettings) -> Consumer:
@@ -80,12 +97,14 @@ def _ranges(consumer: Consumer, topic: str, start: Bound | None, end: Bound | No
 def read_topic(kafka: KafkaSettings, topic: str, *, run: str | None = None, start: Bound | None = None,
                end: Bound | None = None, stats: ReplayStats | None = None,
                progress: Callable[[ReplayStats], None] | None = None,
-               stall_timeout_s: float = 30.0) -> Iterator[ReplayRecord]:
+               stall_timeout_s: float = 30.0, fetch: Fetch | None = None) -> Iterator[ReplayRecord]:
     """The decoded events of `topic` in [start, end) per partition, ordered by (partition, offset),
     only those of `run` when given (events that carry no run are all kept). Undecodable records
     are counted in `stats`; `progress` sees the stats after every fetch (records of other runs
-    included, which a caller of a filtered replay would otherwise not see pass). Raises ReplayError
-    for a missing topic or a broker that stops answering."""
+    included, which a caller of a filtered replay would otherwise not see pass). A claim-checked
+    event (payload_uri) is replaced by the whole event read with `fetch` and verified; one whose
+    object is missing or differs counts as undecodable (without `fetch` it stays as it is). Raises
+    ReplayError for a missing topic or a broker that stops answering."""
     if topic not in topics.EVENT_OF_TOPIC:
         raise ReplayError(f"unknown topic {topic!r}; topics: {', '.join(topics.ALL_TOPICS)}")
     stats = stats if stats is not None else ReplayStats()
@@ -103,6 +122,10 @@ def read_topic(kafka: KafkaSettings, topic: str, *, run: str | None = None, star
                 if run is not None and owner is not None and owner != run:
                     stats.other_runs += 1
                     continue
+                if fetch is not None:
+                    record = _resolve(record, event_type, fetch, stats)
+                    if record is None:
+                        continue
                 stats.kept += 1
                 yield record
     except KafkaException as e:
@@ -148,14 +171,26 @@ def _decode(msg: Any, event_type: str, stats: ReplayStats) -> ReplayRecord | Non
     return ReplayRecord(msg.topic(), msg.partition(), msg.offset(), msg.timestamp()[1], msg.key(), value)
 
 
+def _resolve(record: ReplayRecord, event_type: str, fetch: Fetch, stats: ReplayStats) -> ReplayRecord | None:
+    if record.value.get("payload_uri") is None:
+        return record
+    try:
+        value = objectstore.resolve_claim_check(record.value, event_type, fetch)
+    except (objectstore.PayloadMismatch, UndecodableEvent, MinioException) as e:
+        stats.add_undecodable(UndecodableRecord(record.topic, record.partition, record.offset,
+                                                f"claim check {record.value['payload_uri']}: {e}"))
+        return None
+    return ReplayRecord(record.topic, record.partition, record.offset, record.timestamp_ms, record.key, value)
+
+
 def read_run(kafka: KafkaSettings, run: str, topics: Sequence[str] = VERIFY_TOPICS, *, start: Bound | None = None,
              stats: ReplayStats | None = None, progress: Callable[[str, ReplayStats], None] | None = None,
-             ) -> dict[str, list[ReplayRecord]]:
+             fetch: Fetch | None = None) -> dict[str, list[ReplayRecord]]:
     """Every event of `run` on each of `topics` (all of dlq and engines, which carry no run), from
-    `start` (the run's start time spares reading older runs) or the beginning; `progress` sees the
-    topic being read and the stats so far."""
+    `start` (the run's start time spares reading older runs) or the beginning, claim checks
+    resolved with `fetch`; `progress` sees the topic being read and the stats so far."""
     return {t: list(read_topic(kafka, t, run=run, start=start, stats=stats,
-                               progress=None if progress is None else partial(progress, t)))
+                               progress=None if progress is None else partial(progress, t), fetch=fetch))
             for t in topics}
 
 

@@ -17,7 +17,8 @@ from tqdm import tqdm
 from typer.core import TyperGroup
 
 from pipeline.config import load_config
-from pipeline.replay import SUFFIXES, VERIFY_TOPICS, ReplayError, read_run, read_topic, write_records
+from pipeline.replay import (SUFFIXES, VERIFY_TOPICS, Fetch, ReplayError, read_run, read_topic, store_fetch,
+                             write_records)
 from pipeline.replay_logic import Bound, ReplayStats, VerifyReport, VerifySettings, verify
 from schemas import topics
 from schemas.settings import KafkaSettings
@@ -68,6 +69,14 @@ def _kafka(config: Path | None) -> KafkaSettings:
         _fail(f"configuration: {e}", 2)
 
 
+def _fetch(config: Path | None) -> Fetch:
+    """Reads claim-checked events (batches too large for one message) from the run's object store."""
+    try:
+        return store_fetch(load_config(config).object_store)
+    except (OSError, ValueError) as e:
+        _fail(f"configuration: {e}", 2)
+
+
 def _bound(option: str, text: str | None) -> Bound | None:
     if text is None:
         return None
@@ -111,7 +120,7 @@ def replay_topic(
     start: str | None = typer.Option(None, "--from", help="First offset (in every partition) or ISO-8601 time, "
                                      "inclusive."),
     end: str | None = typer.Option(None, "--to", help="End offset (in every partition) or ISO-8601 time, exclusive."),
-    config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
+    config: Path | None = typer.Option(None, help="YAML run configuration (broker, object store)."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:
     topic = ctx.info_name or ""
@@ -124,7 +133,7 @@ def replay_topic(
     kafka = _kafka(config)
     stats, progress = ReplayStats(), _Progress()
     records = read_topic(kafka, topic, run=run, start=start_bound, end=end_bound, stats=stats,
-                         progress=partial(progress, topic))
+                         progress=partial(progress, topic), fetch=_fetch(config))
     try:
         rows = write_records(records, topic, out)
     except ReplayError as e:
@@ -158,7 +167,7 @@ def replay_verify(
     start: str | None = typer.Option(None, "--from", help="Read from this ISO-8601 time (or offset) instead of each "
                                      "topic's beginning: the run's start time spares reading older runs."),
     std: StdKind = typer.Option(VerifySettings().std, help="Std of GRPO and task normalization the run used."),
-    config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
+    config: Path | None = typer.Option(None, help="YAML run configuration (broker, object store)."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
 ) -> None:
     """Recompute a run's GRPO and task-normalized advantages and token invariants from its topics;
@@ -172,7 +181,8 @@ def replay_verify(
     kafka = _kafka(config)
     stats, progress = ReplayStats(), _Progress()
     try:
-        records = read_run(kafka, run, VERIFY_TOPICS, start=start_bound, stats=stats, progress=progress)
+        records = read_run(kafka, run, VERIFY_TOPICS, start=start_bound, stats=stats, progress=progress,
+                           fetch=_fetch(config))
     except ReplayError as e:
         _fail(str(e))
     finally:

@@ -64,6 +64,8 @@ def worker(
     run: str | None = typer.Option(None, "--run", help="Serve only this run's events (default: every run)."),
     settings_file: Path | None = typer.Option(None, "--settings", help="StreamsSettings as JSON (what `rollstream up` "
                                               "passes); replaces the individual settings options."),
+    batch_offload_bytes: int = typer.Option(_W.batch_offload_bytes, help="An encoded batch above this size goes to "
+                                            "the object store (claim check)."),
 ) -> None:
     """Run one streams worker until SIGTERM; more workers with the same --app-id share the work.
 
@@ -86,10 +88,12 @@ def worker(
     try:
         worker_settings = WorkerSettings(app_id=app_id, run=run, datadir=datadir, partitions=partitions, web_port=web_port,
                                          web_enabled=not no_web, sweep_interval_s=sweep_interval_s,
-                                         metrics_interval_s=metrics_interval_s)
+                                         metrics_interval_s=metrics_interval_s,
+                                         batch_offload_bytes=batch_offload_bytes)
     except ValidationError as e:
         _fail(str(e.errors()[0]["msg"]))
-    run_worker(load_config(config).kafka, settings, worker_settings, chosen, loglevel, from_now=from_now)
+    loaded = load_config(config)
+    run_worker(loaded.kafka, settings, worker_settings, chosen, loglevel, from_now=from_now, store=loaded.object_store)
 
 
 if __name__ == "__main__":

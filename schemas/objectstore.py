@@ -1,18 +1,23 @@
 """The object store, spoken through the `minio` SDK so any S3-compatible server works.
 
-Objects are addressed as `s3://bucket/key` URIs inside events.
+Objects are addressed as `s3://bucket/key` URIs inside events. An event too large for one Kafka
+message travels as a claim check: the whole event, encoded, is an object, and the event on the
+topic carries payload_uri, payload_sha256 and payload_bytes with its bulky fields left empty
+(`claim_check`, `resolve_claim_check`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from minio import Minio
 from minio.error import S3Error
 
+from schemas.codec import codec
 from schemas.settings import ObjectStoreSettings
 
 # MinIO's SDK uploads in parts of this size above it; 16 MiB keeps memory bounded.
@@ -78,3 +83,39 @@ def put_file(mc: Minio, bucket: str, key: str, path: Path) -> None:
 
 def get_file(mc: Minio, bucket: str, key: str, path: Path) -> None:
     mc.fget_object(bucket, key, str(path))
+
+
+# -- claim checks -------------------------------------------------------------------------------
+
+PAYLOAD_FIELDS: tuple[str, ...] = ("payload_uri", "payload_sha256", "payload_bytes")
+
+
+class PayloadMismatch(ValueError):
+    """A claim check's object is not the one its event describes (size, hash or content)."""
+
+
+def claim_check(event: Mapping[str, Any], uri_: str, data: bytes, emptied: Mapping[str, Any]) -> dict[str, Any]:
+    """The event that stands for `event`, whose encoding `data` is stored at `uri_`: the bulky
+    fields replaced by `emptied` (e.g. {"items": []}), the payload fields describing the object."""
+    return {**event, **emptied, "payload_uri": uri_, "payload_sha256": hashlib.sha256(data).hexdigest(),
+            "payload_bytes": len(data)}
+
+
+def resolve_claim_check(event: Mapping[str, Any], event_type: str, fetch: Callable[[str], bytes]) -> dict[str, Any]:
+    """The whole event a claim check stands for (the event itself when it carries no payload_uri),
+    keeping the payload fields so a reader can tell it was stored. Raises PayloadMismatch when the
+    object's size or sha256 differ from the event's, or it holds another event."""
+    uri_ = event.get("payload_uri")
+    if uri_ is None:
+        return dict(event)
+    data = fetch(uri_)
+    digest = hashlib.sha256(data).hexdigest()
+    if len(data) != event["payload_bytes"] or digest != event["payload_sha256"]:
+        raise PayloadMismatch(f"{uri_}: {len(data)} bytes with sha256 {digest[:12]}…, the event says "
+                              f"{event['payload_bytes']} bytes with sha256 {str(event['payload_sha256'])[:12]}…")
+    whole = codec().decode(data, event_type)
+    differ = [k for k, v in event.items() if k not in PAYLOAD_FIELDS and v not in ([], b"", "") and whole.get(k) != v]
+    if differ:
+        raise PayloadMismatch(f"{uri_}: the stored {event_type} disagrees with its event on "
+                              f"{', '.join(sorted(differ))}")
+    return {**whole, **{k: event[k] for k in PAYLOAD_FIELDS}}

@@ -66,7 +66,7 @@ def batch() -> dict[str, Any]:
                       {"trajectory": trajectory(1, reward=0.0), "group_advantage": -0.7071, "advantage": -1.0}],
             "task_stats": [{"task": "db", "trajectories": 2, "tokens": 16, "mean_before": 0.0, "std_before": 0.7071,
                             "mean_after": 0.0, "std_after": 1.0}],
-            "created_at_ms": T0 + 1000}
+            "created_at_ms": T0 + 1000, "payload_uri": None, "payload_sha256": None, "payload_bytes": None}
 
 
 def weight_version() -> dict[str, Any]:

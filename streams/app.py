@@ -6,6 +6,11 @@ on it through `Wiring`. Delivery rules (DESIGN.md "Delivery guarantees"): at-lea
 exactly_once, every agent at concurrency 1; Faust flushes the producer before it commits source
 offsets, so whatever an agent sent for an event is durable before the event counts as consumed.
 
+Faust's own producer flush is weaker than that: table writes (the changelogs) wait in a buffer,
+and its flush gives up after 0.1 s without progress, so a commit could pass changelog writes that
+were never acknowledged, and a crashed worker's recovered table would lack writes whose events
+count as consumed. `drain_before_commit` makes that flush wait for every buffered write.
+
 Topology. Each job reads the DESIGN topics through a thin *intake* agent that decodes every event
 with our codec (undecodable -> `dlq` with the reason) and forwards the original bytes into an
 internal topic of the app, keyed for the job's table (this is the job's `group_by`):
@@ -26,7 +31,9 @@ makes a replay see them in the same order.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -39,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from schemas import topics
 from schemas.bus import dead_letter
-from schemas.settings import KafkaSettings
+from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.serde import RAW, encode_for
 from streams.settings import StreamsSettings
 
@@ -76,6 +83,17 @@ class WorkerSettings(BaseModel):
     """Faust standby replicas per table: a standby worker keeps a warm copy and takes over."""
     run: str | None = None
     """Serve only this run's events (`rollstream up` gives each run its own app); None serves every run."""
+    batch_offload_bytes: int = Field(15 * 1024 * 1024, ge=1)
+    """rollstream: an encoded batch above this size is stored in MinIO as a claim check (kept under Kafka's limit)."""
+
+
+FLUSH_TIMEOUT_S = 120.0
+"""How long a commit waits for buffered table writes to be acknowledged (a broker restart takes this long)."""
+STOP_FLUSH_TIMEOUT_S = 10.0
+"""The same wait while the worker stops (its producer may already be gone)."""
+
+RECORD_OVERHEAD_BYTES = 64 * 1024
+"""Room left under Kafka's message limit for the key and the record and batch headers."""
 
 
 def now_ms() -> int:
@@ -98,6 +116,14 @@ class Wiring:
     outgoing: dict[str, TopicT]
     tables: dict[str, Any]
     """Each job's tables by job name, for the metrics job to read (only their owner writes)."""
+    store: ObjectStoreSettings
+    """Where claim-checked events go."""
+
+    @property
+    def batch_limit_bytes(self) -> int:
+        """The encoded size above which a batch is claim-checked: the setting, but always under
+        what the producer may send."""
+        return min(self.worker.batch_offload_bytes, self.kafka.message_max_bytes - RECORD_OVERHEAD_BYTES)
 
     def serves(self, event: Any) -> bool:
         """Whether this app serves the run of a decoded event (one with a `run` field)."""
@@ -151,8 +177,60 @@ class Wiring:
             await self.send([self.dead_letter(event, error, consumer)])
 
 
+def drain_before_commit(buffer: Any) -> None:
+    """Makes a Faust producer buffer's flush wait until every message put in it so far is
+    acknowledged by the broker (or raise, so the commit that called it does not happen)."""
+    pending: set[asyncio.Future] = set()
+    put = buffer.put
+
+    def tracked_put(fut: asyncio.Future) -> None:
+        pending.add(fut)
+        fut.add_done_callback(pending.discard)
+        put(fut)
+
+    async def flush() -> None:
+        if not pending:
+            return
+        timeout = STOP_FLUSH_TIMEOUT_S if buffer.should_stop else FLUSH_TIMEOUT_S
+        done, waiting = await asyncio.wait(list(pending), timeout=timeout)
+        if waiting:
+            raise RuntimeError(f"{len(waiting)} table changelog writes not acknowledged within {timeout:g} s")
+        failed = [f.exception() for f in done if not f.cancelled() and f.exception() is not None]
+        if failed:
+            raise RuntimeError(f"{len(failed)} table changelog writes failed: {failed[0]!r}") from failed[0]
+
+    buffer.put = tracked_put
+    buffer.flush = flush
+
+
+_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
+
+
+def broker_credentials(kafka: KafkaSettings) -> faust.auth.Credentials | None:
+    """Faust's broker credentials for the cluster's security settings (None: PLAINTEXT). A CA file
+    in the librdkafka extras (ssl.ca.location) verifies the brokers; else the system's CAs do."""
+    protocol = kafka.security_protocol.upper()
+    if protocol == "PLAINTEXT":
+        return None
+    if protocol not in ("SSL", "SASL_PLAINTEXT", "SASL_SSL"):
+        raise ValueError(f"security_protocol {kafka.security_protocol!r}: "
+                         "use PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")
+    context = (ssl.create_default_context(cafile=kafka.extra.get("ssl.ca.location"))
+               if protocol in ("SSL", "SASL_SSL") else None)
+    if protocol == "SSL":
+        return faust.SSLCredentials(context)
+    mechanism = (kafka.sasl_mechanism or "").upper()
+    if mechanism not in _SASL_MECHANISMS:
+        raise ValueError(f"sasl_mechanism {kafka.sasl_mechanism!r}: the streams worker speaks "
+                         f"{', '.join(_SASL_MECHANISMS)}")
+    return faust.SASLCredentials(username=kafka.sasl_username,
+                                 password=kafka.sasl_password.get_secret_value() if kafka.sasl_password else None,
+                                 mechanism=mechanism, ssl_context=context)
+
+
 def create_app(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSettings = WorkerSettings(),
-               components: Iterable[str] = COMPONENTS, *, clock: Callable[[], int] = now_ms) -> faust.App:
+               components: Iterable[str] = COMPONENTS, *, clock: Callable[[], int] = now_ms,
+               store: ObjectStoreSettings = ObjectStoreSettings()) -> faust.App:
     """A Faust App running the chosen jobs (all four by default) with these settings."""
     chosen = list(components)
     unknown = sorted(set(chosen) - set(COMPONENTS))
@@ -161,6 +239,7 @@ def create_app(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
     app = faust.App(
         worker.app_id,
         broker=kafka.faust_broker,
+        broker_credentials=broker_credentials(kafka),
         datadir=str(worker.datadir),
         store="memory://",
         web_enabled=worker.web_enabled,
@@ -175,7 +254,8 @@ def create_app(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
         broker_session_timeout=worker.session_timeout_s,
         broker_heartbeat_interval=1,
     )
-    wiring = Wiring(app, kafka, settings, worker, clock, {}, {})
+    drain_before_commit(app.producer.buffer)
+    wiring = Wiring(app, kafka, settings, worker, clock, {}, {}, store)
     # Imported here: the agent modules only declare things on an app handed to them.
     from streams import aggregator_agent, batcher_agent, metrics_agent, router_agent
 

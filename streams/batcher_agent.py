@@ -17,22 +17,61 @@ Tables (one partition):
 - `batcher-state` run -> {"learner_version", "answered", "index", "ready": [group summaries]};
 - `batcher-ready` group_id -> the group event as received (raw bytes), until it is batched;
 - `batcher-batched` group_id -> batch id: a redelivered group that was already trained is dropped.
+
+Claim check: a batch whose encoding exceeds the message limit (256 groups of 8k-token trajectories
+are ~150 MB) is stored whole in the object store under its run, and the `batches` event carries
+its URI, sha256 and size with `items` empty; the object is stored before the event is sent.
+
+The agent applies an event's table writes only after its batch is stored and sent (`Staged`): a
+cut whose upload or send fails leaves the groups ready instead of recording them as batched.
 """
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+import asyncio
+import logging
+import time
+from collections.abc import Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import topics
+from schemas import objectstore, topics
 from schemas.codec import codec
 from streams import batching
-from streams.app import Out, Wiring
+from streams.app import FLUSH_TIMEOUT_S, Out, Wiring
 from streams.serde import decode_from, encode_for, raw_table, tagged_table
 from streams.settings import StreamsSettings
 
 GROUP, WEIGHTS = "group", "weight_version"
+log = logging.getLogger("rollstream.streams")
+
+Upload = tuple[str, str, bytes]
+"""An object to store before the outgoing events are sent: (bucket, key, data)."""
+
+
+@dataclass(frozen=True)
+class ClaimCheck:
+    """Where a batch too large for one message goes, and from what encoded size on."""
+
+    bucket: str
+    limit_bytes: int
+
+
+def payload_key(run: str, batch_id: str) -> str:
+    """The object key of a stored batch: under its run, named by its deterministic id."""
+    return f"{run}/batches/{batch_id}.avro"
+
+
+def batch_out(batch: dict[str, Any], claim: ClaimCheck | None) -> tuple[Out, list[Upload]]:
+    """The batches event of a batch, inline or, above the claim check's limit, as a claim check
+    with the object to store first."""
+    data = encode_for(topics.BATCHES, batch)
+    key = batch["batch_id"].encode()
+    if claim is None or len(data) <= claim.limit_bytes:
+        return (topics.BATCHES, key, data), []
+    object_key = payload_key(batch["run"], batch["batch_id"])
+    pointer = objectstore.claim_check(batch, objectstore.uri(claim.bucket, object_key), data, {"items": []})
+    return (topics.BATCHES, key, encode_for(topics.BATCHES, pointer)), [(claim.bucket, object_key, data)]
 
 
 @dataclass
@@ -42,6 +81,51 @@ class BatcherTables:
     state: MutableMapping[str, dict[str, Any]]
     ready: MutableMapping[str, bytes]
     batched: MutableMapping[str, str]
+
+
+_DELETED = object()
+
+
+class Staged(MutableMapping):
+    """A table seen through writes not yet made: reads see them, `apply()` makes them."""
+
+    def __init__(self, table: MutableMapping[str, Any]) -> None:
+        self.table = table
+        self.writes: dict[str, Any] = {}
+
+    def __getitem__(self, key: str) -> Any:
+        if key in self.writes:
+            if self.writes[key] is _DELETED:
+                raise KeyError(key)
+            return self.writes[key]
+        return self.table[key]
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        self.writes[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self:
+            raise KeyError(key)
+        self.writes[key] = _DELETED
+
+    def __iter__(self) -> Iterator[str]:
+        yield from (k for k in self.table if k not in self.writes)
+        yield from (k for k, v in self.writes.items() if v is not _DELETED)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def apply(self) -> None:
+        for key, value in self.writes.items():
+            if value is not _DELETED:
+                self.table[key] = value
+            elif key in self.table:
+                del self.table[key]
+        self.writes.clear()
+
+
+def staged(tables: BatcherTables) -> BatcherTables:
+    return BatcherTables(Staged(tables.state), Staged(tables.ready), Staged(tables.batched))
 
 
 def empty_state() -> dict[str, Any]:
@@ -62,23 +146,27 @@ def credit(state: dict[str, Any]) -> int | None:
     return version if version is not None and version > state["answered"] else None
 
 
-def _try_cut(tables: BatcherTables, run: str, state: dict[str, Any], now_ms: int,
-             settings: StreamsSettings) -> tuple[dict[str, Any], list[Out]]:
+def _try_cut(tables: BatcherTables, run: str, state: dict[str, Any], now_ms: int, settings: StreamsSettings,
+             claim: ClaimCheck | None) -> tuple[dict[str, Any], list[Out], list[Upload]]:
     version = credit(state)
     plan = batching.plan_batch(state["ready"], version, state["index"], settings)
     if not plan.cut:
-        return state, []
+        return state, [], []
     groups = [codec().decode(tables.ready[g["group_id"]], GROUP) for g in plan.groups]
     batch = batching.build_batch(run, state["index"], version, groups, settings, now_ms)
+    # encoded before the tables change: a batch that fails to encode changes nothing
+    out, uploads = batch_out(batch, claim)
     for g in plan.groups:
         tables.batched[g["group_id"]] = batch["batch_id"]
         del tables.ready[g["group_id"]]
     state = {**state, "ready": plan.remaining, "index": state["index"] + 1, "answered": version}
-    return state, [(topics.BATCHES, batch["batch_id"].encode(), encode_for(topics.BATCHES, batch))]
+    return state, [out], uploads
 
 
-def on_batcher_event(tables: BatcherTables, data: bytes, now_ms: int, settings: StreamsSettings) -> list[Out]:
-    """Applies a group or a weight version to its run's state; returns the batch if one is cut."""
+def on_batcher_event(tables: BatcherTables, data: bytes, now_ms: int, settings: StreamsSettings,
+                     claim: ClaimCheck | None = None) -> tuple[list[Out], list[Upload]]:
+    """Applies a group or a weight version to its run's state; returns the batch if one is cut
+    (and, for a claim check, the object to store before sending it)."""
     if codec().event_type_of(data) == WEIGHTS:
         version = codec().decode(data, WEIGHTS)
         run = version["run"]
@@ -90,12 +178,12 @@ def on_batcher_event(tables: BatcherTables, data: bytes, now_ms: int, settings: 
         run, gid = group["run"], group["group_id"]
         state = tables.state.get(run) or empty_state()
         if gid in tables.batched or any(g["group_id"] == gid for g in state["ready"]):
-            return []  # a redelivered group: already ready or trained
+            return [], []  # a redelivered group: already ready or trained
         tables.ready[gid] = data
         state = {**state, "ready": [*state["ready"], summary(group)]}
-    state, outs = _try_cut(tables, run, state, now_ms, settings)
+    state, outs, uploads = _try_cut(tables, run, state, now_ms, settings, claim)
     tables.state[run] = state
-    return outs
+    return outs, uploads
 
 
 def register(w: Wiring) -> None:
@@ -107,6 +195,26 @@ def register(w: Wiring) -> None:
         batched=tagged_table(w.app, "batcher-batched", 1, w.topic_config),
     )
     w.tables["batcher"] = tables
+    claim = ClaimCheck(topics.PAYLOADS_BUCKET, w.batch_limit_bytes)
+    store: list[Any] = []  # the object store client, made on the first claim check
+
+    async def upload(bucket: str, key: str, data: bytes) -> None:
+        """Stores an object, retrying for up to FLUSH_TIMEOUT_S: a store that is briefly away must
+        not cost the batch (the batch id, hence the key, is the same on every try)."""
+        if not store:
+            store.append(objectstore.client(w.store))
+        deadline, delay = time.monotonic() + FLUSH_TIMEOUT_S, 0.5
+        while True:
+            try:
+                # the SDK blocks: off the event loop, which keeps serving the other agents meanwhile
+                await asyncio.to_thread(objectstore.put_bytes, store[0], bucket, key, data)
+                return
+            except Exception as error:  # noqa: BLE001 - any store failure is retried until the deadline
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning("batcher: storing %s/%s failed (%s); retrying in %.1f s", bucket, key, error, delay)
+                await asyncio.sleep(delay)
+                delay = min(2 * delay, 10.0)
 
     @w.app.agent(w.raw_topic(topics.GROUPS), name="batcher-intake")
     async def groups_intake(stream):  # type: ignore[no-untyped-def]
@@ -130,5 +238,11 @@ def register(w: Wiring) -> None:
     async def batcher(stream):  # type: ignore[no-untyped-def]
         async for event in stream.events():
             async def handle(event=event) -> None:
-                await w.send(on_batcher_event(tables, event.value, w.clock(), w.settings))
+                view = staged(tables)
+                outs, uploads = on_batcher_event(view, event.value, w.clock(), w.settings, claim)
+                for bucket, key, data in uploads:
+                    await upload(bucket, key, data)
+                await w.send(outs)
+                for table in (view.state, view.ready, view.batched):
+                    table.apply()
             await w.guarded(event, "batcher", handle)

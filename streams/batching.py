@@ -110,4 +110,6 @@ def build_batch(run: str, index: int, credit_version: int, groups: Sequence[Mapp
                    "advantage": float(a)} for m, a in zip(members, final)],
         "task_stats": [{"task": task, **stats[task].as_dict()} for task in sorted(stats)],
         "created_at_ms": now_ms,
+        # inline; the batcher agent turns a batch too large for one message into a claim check
+        "payload_uri": None, "payload_sha256": None, "payload_bytes": None,
     }

@@ -16,7 +16,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from faust.worker import Worker
 
 from schemas import topics
-from schemas.settings import KafkaSettings
+from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.app import COMPONENTS, WorkerSettings, create_app
 from streams.settings import StreamsSettings
 
@@ -85,12 +85,13 @@ def declare_internal_topics(kafka: KafkaSettings, app: faust.App) -> list[str]:
 
 
 def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSettings,
-               components: Iterable[str] = COMPONENTS, loglevel: str = "WARNING", *, from_now: bool = False) -> None:
+               components: Iterable[str] = COMPONENTS, loglevel: str = "WARNING", *, from_now: bool = False,
+               store: ObjectStoreSettings = ObjectStoreSettings()) -> None:
     """Blocks running the worker; never returns normally (mode's Worker exits the process).
     from_now: a brand-new app id skips the data topics' history (start_at_end)."""
     if from_now:
         start_at_end(kafka, worker.app_id)
-    app = create_app(kafka, settings, worker, components)
+    app = create_app(kafka, settings, worker, components, store=store)
     declare_internal_topics(kafka, app)
     # aiokafka logs every request at DEBUG and its loggers are left enabled: building those
     # records cost about a tenth of the worker's CPU in profiles

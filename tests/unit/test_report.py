@@ -97,6 +97,7 @@ def batch_of(index: int, groups: list[dict[str, Any]]) -> dict[str, Any]:
         "items": [{"trajectory": m["trajectory"], "group_advantage": 0.0, "advantage": 0.0}
                   for g in groups for m in g["members"]],
         "task_stats": [], "created_at_ms": T0 + 200_000 + 100_000 * index,
+        "payload_uri": None, "payload_sha256": None, "payload_bytes": None,
     })
 
 

@@ -4,22 +4,28 @@ handlers runs against the real one in tests/integration/test_streams_*.py."""
 
 from __future__ import annotations
 
+import asyncio
+import ssl
+
+import faust
 import numpy as np
 import pytest
+from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 from typer.testing import CliRunner
 
 from pipeline import dispatch_cmd, streams_cmd
 from pipeline.bench_streams import trajectory, weights
-from schemas import samples, topics
+from schemas import objectstore, samples, topics
 from schemas.codec import codec
-from schemas.settings import KafkaSettings
+from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams import aggregator_agent as agg
 from streams import batcher_agent as bat
 from streams import metrics_agent as met
 from streams import router_agent as rt
 from streams import routing
 from streams.advantages import grpo_advantages
-from streams.app import WorkerSettings, create_app
+from streams.app import (RECORD_OVERHEAD_BYTES, WorkerSettings, Wiring, broker_credentials, create_app,
+                         drain_before_commit)
 from streams.serde import TaggedJSON
 from streams.settings import StreamsSettings
 
@@ -113,23 +119,108 @@ def _group(gid: str, run: str = "r", members: int = N) -> bytes:
     return codec().encode("group", g)
 
 
+def _batcher(tables, data, claim=None):
+    outs, uploads = bat.on_batcher_event(tables, data, T0, S, claim)
+    return outs
+
+
 def test_first_batch_needs_no_credit_and_the_next_waits_for_a_newer_version():
     tables = bat.BatcherTables({}, {}, {})
-    [(topic, first)] = _decode_outs(bat.on_batcher_event(tables, _group("g0"), T0, S))
+    [(topic, first)] = _decode_outs(_batcher(tables, _group("g0")))
     assert (topic, first["index"], first["credit_version"], first["group_ids"]) == (topics.BATCHES, 0, 0, ["g0"])
-    assert bat.on_batcher_event(tables, _group("g1"), T0, S) == []
-    assert bat.on_batcher_event(tables, codec().encode("weight_version", weights("r", 0)), T0, S) == []
-    [(_, second)] = _decode_outs(bat.on_batcher_event(tables, codec().encode("weight_version", weights("r", 1)), T0, S))
+    assert _batcher(tables, _group("g1")) == []
+    assert _batcher(tables, codec().encode("weight_version", weights("r", 0))) == []
+    [(_, second)] = _decode_outs(_batcher(tables, codec().encode("weight_version", weights("r", 1))))
     assert (second["index"], second["credit_version"], second["group_ids"]) == (1, 1, ["g1"])
     assert tables.ready == {} and tables.batched == {"g0": first["batch_id"], "g1": second["batch_id"]}
 
 
 def test_redelivered_group_is_batched_once():
     tables = bat.BatcherTables({}, {}, {})
-    bat.on_batcher_event(tables, _group("g0"), T0, S)
-    bat.on_batcher_event(tables, codec().encode("weight_version", weights("r", 1)), T0, S)
-    assert bat.on_batcher_event(tables, _group("g0"), T0, S) == []
+    _batcher(tables, _group("g0"))
+    _batcher(tables, codec().encode("weight_version", weights("r", 1)))
+    assert _batcher(tables, _group("g0")) == []
     assert tables.state["r"]["ready"] == []
+
+
+def test_a_cut_changes_the_tables_only_once_applied():
+    direct = bat.BatcherTables({}, {}, {})
+    _batcher(direct, _group("g0"))
+    tables = bat.BatcherTables({}, {}, {})
+    view = bat.staged(tables)
+    outs, _ = bat.on_batcher_event(view, _group("g0"), T0, S)
+    # until applied (after the batch is sent) the tables are untouched: a failed send loses nothing
+    assert len(outs) == 1 and (tables.state, tables.ready, tables.batched) == ({}, {}, {})
+    assert dict(view.batched) == direct.batched and dict(view.ready) == {}
+    for table in (view.state, view.ready, view.batched):
+        table.apply()
+    assert (tables.state, tables.ready, tables.batched) == (direct.state, direct.ready, direct.batched)
+
+
+def test_batch_above_the_limit_becomes_a_claim_check_that_resolves_to_the_inline_batch():
+    inline = bat.on_batcher_event(bat.BatcherTables({}, {}, {}), _group("g0"), T0, S)
+    [(_, whole)] = _decode_outs(inline[0])
+    size = len(inline[0][0][2])
+    [out], [(bucket, key, data)] = bat.on_batcher_event(bat.BatcherTables({}, {}, {}), _group("g0"), T0, S,
+                                                        bat.ClaimCheck("payloads", size - 1))
+    pointer = codec().decode(out[2], "batch")
+    assert (bucket, key, data) == ("payloads", f"r/batches/{whole['batch_id']}.avro", inline[0][0][2])
+    assert pointer["items"] == [] and pointer["payload_uri"] == f"s3://payloads/{key}"
+    assert pointer["payload_bytes"] == size and len(out[2]) < size
+    assert objectstore.resolve_claim_check(pointer, "batch", {pointer["payload_uri"]: data}.__getitem__) == \
+        {**whole, **{k: pointer[k] for k in objectstore.PAYLOAD_FIELDS}}
+    # at the limit it stays inline
+    [at_limit], uploads = bat.on_batcher_event(bat.BatcherTables({}, {}, {}), _group("g0"), T0, S,
+                                               bat.ClaimCheck("payloads", size))
+    assert uploads == [] and codec().decode(at_limit[2], "batch") == whole
+
+
+def test_claim_check_whose_object_differs_is_refused():
+    whole = samples.batch()
+    data = codec().encode("batch", whole)
+    pointer = objectstore.claim_check(whole, "s3://p/k", data, {"items": []})
+    with pytest.raises(objectstore.PayloadMismatch, match="sha256"):
+        objectstore.resolve_claim_check(pointer, "batch", lambda uri: data[:-1] + bytes([data[-1] ^ 1]))
+    other = codec().encode("batch", {**whole, "index": 9})
+    forged = objectstore.claim_check(whole, "s3://p/k", other, {"items": []})
+    with pytest.raises(objectstore.PayloadMismatch, match="index"):
+        objectstore.resolve_claim_check(forged, "batch", lambda uri: other)
+    assert objectstore.resolve_claim_check(whole, "batch", lambda uri: b"") == whole
+
+
+def test_batch_offload_limit_stays_under_the_kafka_message_limit():
+    app_kafka = KafkaSettings(message_max_bytes=1024 * 1024)
+    wiring = Wiring(None, app_kafka, S, WorkerSettings(), lambda: T0, {}, {}, ObjectStoreSettings())
+    assert wiring.batch_limit_bytes == 1024 * 1024 - RECORD_OVERHEAD_BYTES
+    small = Wiring(None, KafkaSettings(), S, WorkerSettings(batch_offload_bytes=1000), lambda: T0, {}, {},
+                   ObjectStoreSettings())
+    assert small.batch_limit_bytes == 1000
+
+
+def test_sasl_settings_become_faust_broker_credentials():
+    assert broker_credentials(KafkaSettings()) is None
+    sasl = broker_credentials(KafkaSettings(security_protocol="SASL_PLAINTEXT", sasl_mechanism="SCRAM-SHA-512",
+                                            sasl_username="u", sasl_password="p"))
+    assert isinstance(sasl, faust.SASLCredentials)
+    assert credentials_to_aiokafka_auth(sasl) == {
+        "security_protocol": "SASL_PLAINTEXT", "sasl_mechanism": "SCRAM-SHA-512", "sasl_plain_username": "u",
+        "sasl_plain_password": "p", "ssl_context": None}
+    over_tls = credentials_to_aiokafka_auth(broker_credentials(KafkaSettings(
+        security_protocol="SASL_SSL", sasl_mechanism="PLAIN", sasl_username="u", sasl_password="p")))
+    assert (over_tls["security_protocol"], over_tls["sasl_mechanism"]) == ("SASL_SSL", "PLAIN")
+    assert isinstance(over_tls["ssl_context"], ssl.SSLContext)
+    assert credentials_to_aiokafka_auth(broker_credentials(KafkaSettings(security_protocol="SSL")))[
+        "security_protocol"] == "SSL"
+    app = create_app(KafkaSettings(security_protocol="SASL_PLAINTEXT", sasl_mechanism="PLAIN", sasl_username="u",
+                                   sasl_password="p"), S, WorkerSettings(app_id="unit", web_enabled=False), ["batcher"])
+    assert app.conf.broker_credentials.username == "u"
+
+
+def test_sasl_without_a_supported_mechanism_is_refused():
+    with pytest.raises(ValueError, match="sasl_mechanism"):
+        broker_credentials(KafkaSettings(security_protocol="SASL_SSL"))
+    with pytest.raises(ValueError, match="security_protocol"):
+        broker_credentials(KafkaSettings(security_protocol="KERBEROS"))
 
 
 def test_router_plans_from_the_folded_heartbeats_and_learner_version():
@@ -192,3 +283,40 @@ def test_dispatch_rejects_an_unknown_split_in_one_line():
     result = CliRunner().invoke(dispatch_cmd.app, ["--run", "r", "--families", "calc:nope", "--max-groups", "1"])
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines() == ["rollstream dispatch: family 'calc' has no split 'nope'; splits: dev, train"]
+
+
+class _Buffer:
+    """What drain_before_commit uses of Faust's ProducerBuffer."""
+
+    should_stop = False
+
+    def __init__(self) -> None:
+        self.queued: list = []
+
+    def put(self, fut) -> None:
+        self.queued.append(fut)
+
+
+def test_commit_flush_waits_past_fausts_give_up_for_every_buffered_write():
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        buffer = _Buffer()
+        drain_before_commit(buffer)
+        first, second = loop.create_future(), loop.create_future()
+        buffer.put(first)
+        buffer.put(second)
+        assert buffer.queued == [first, second]
+        flush = asyncio.ensure_future(buffer.flush())
+        loop.call_later(0.3, first.set_result, None)  # acknowledged well after Faust's 0.1 s give-up
+        await asyncio.sleep(0.4)
+        assert not flush.done()
+        second.set_result(None)
+        await asyncio.wait_for(flush, 1)
+        failing = loop.create_future()
+        buffer.put(failing)
+        failing.set_exception(OSError("broker gone"))
+        with pytest.raises(RuntimeError, match="1 table changelog writes failed"):
+            await buffer.flush()
+        await buffer.flush()  # nothing left to wait for
+
+    asyncio.run(scenario())
