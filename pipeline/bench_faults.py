@@ -46,13 +46,14 @@ way), then counts as not recovered."""
 
 def ensure_random_policy(path: Path) -> None:
     """A randomly initialized small policy at `path` when there is none (the bench measures the
-    pipeline; SFT would only cost minutes)."""
+    pipeline; SFT would only cost minutes). Bytes-only tokenizer: learning merges would run the
+    environments first, and the benchmarks' figures so far were measured on byte-level sequences."""
     if (path / "config.json").is_file():
         return
     from pipeline.model_init import PolicyModelSettings, init_model  # torch: only when a policy is made
 
     init_model(PolicyModelSettings(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                                   intermediate_size=256), path)
+                                   intermediate_size=256, vocab_size=256), path)
 
 
 class Injector:

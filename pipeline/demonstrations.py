@@ -84,16 +84,19 @@ async def oracle_episode(family: str, env: Environment, sample: Mapping[str, Any
     except TaskError:
         return None
     try:
-        history = list(session.messages)
+        # The policy reads the conversation as the environment API gives it (tool-call arguments as
+        # JSON strings); the episode keeps it as the template renders it (arguments as objects).
+        played, rendered = list(session.messages), list(session.messages)
         while True:
-            message = policy(history)
+            message = policy(played)
             observation = await env.observation(session, message)
-            history += [template_message(message), *observation.messages]
+            played += [message, *observation.messages]
+            rendered += [template_message(message), *observation.messages]
             if observation.finish:
                 break
         if observation.status != Status.COMPLETED or observation.reward < FULL_CREDIT:
             return None
-        return Episode(family, str(sample["id"]), history, list(session.tools))
+        return Episode(family, str(sample["id"]), rendered, list(session.tools))
     finally:
         await env.end(session)
 

@@ -49,16 +49,22 @@ def init(
     kv_heads: int = typer.Option(PolicyModelSettings().num_kv_heads, "--kv-heads", help="Key/value heads."),
     intermediate: int = typer.Option(PolicyModelSettings().intermediate_size, "--intermediate", help="MLP width."),
     seed: int = typer.Option(PolicyModelSettings().seed, "--seed", help="Initialization seed."),
+    vocab_size: int = typer.Option(PolicyModelSettings().vocab_size, "--vocab-size",
+                                   help="Byte-level BPE vocabulary, merges learned from oracle episodes (256: bytes only)."),
     force: bool = typer.Option(False, "--force", help="Write into a directory that is not empty."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
 ) -> None:
-    """Create the default policy: a small Qwen2 model with a byte-level tokenizer and a tool-call chat template.
+    """Create the default policy: a small Qwen2 model with a byte-level BPE tokenizer and a tool-call chat template.
+
+    The tokenizer's merges are learned from the environments' oracle episodes (train splits; about
+    15 s), unless --vocab-size 256.
 
     Example: rollstream model init --out .run/policy --json
     """
     try:
         settings = PolicyModelSettings(hidden_size=hidden, num_layers=layers, num_heads=heads,
-                                       num_kv_heads=kv_heads, intermediate_size=intermediate, seed=seed)
+                                       num_kv_heads=kv_heads, intermediate_size=intermediate, seed=seed,
+                                       vocab_size=vocab_size)
     except ValidationError as error:
         typer.echo(f"rollstream model init: {error.errors()[0]['msg']}", err=True)
         raise typer.Exit(code=2) from None
@@ -70,7 +76,8 @@ def init(
         typer.echo(json.dumps(summary))
     else:
         typer.echo(f"wrote {summary['parameters']:,}-parameter policy to {out} "
-                   f"(vocab {summary['vocab_size']}, hidden {hidden}, {layers} layers, seed {seed})")
+                   f"(vocab {summary['vocab_size']}, {summary['merges']} merges, hidden {hidden}, {layers} layers, "
+                   f"seed {seed})")
 
 
 def _sft_fail(message: str) -> NoReturn:

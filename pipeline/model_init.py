@@ -2,23 +2,29 @@
 Qwen2.5-style chat template with tool calls, saved as an ordinary Hugging Face checkpoint.
 
 No model can be downloaded (DESIGN.md "CPU machines and vLLM"), so the project makes its own.
-Every byte is a token (a BPE model with no merges), so the tokenizer needs no training data and
-can spell any text; the seven control tokens are added tokens, as in Qwen2.5. head_dim is 64
-because vLLM's CPU attention refuses smaller heads; float32 because bf16 crashed vLLM on CPU.
+The tokenizer is byte-level BPE, as Qwen2.5's: every byte is a token, so any text can be spelled,
+and merges learned from the environments' own oracle episodes (`corpus`) make those episodes ~4x
+shorter than bytes (the tool schemas alone were 1.4k byte tokens of every prompt): shorter
+sequences for SFT, rollouts and the learner, and fewer sampled tokens that can go wrong.
+`vocab_size=256` keeps bytes only (no merges, no corpus needed). The seven control tokens are
+added tokens, as in Qwen2.5. head_dim is 64 because vLLM's CPU attention refuses smaller heads;
+float32 because bf16 crashed vLLM on CPU.
 
 Example:
 
     from pipeline.model_init import PolicyModelSettings, init_model
-    init_model(PolicyModelSettings(), Path("/tmp/policy"))
+    init_model(PolicyModelSettings(vocab_size=256), Path("/tmp/policy"))   # bytes only
+    init_model(PolicyModelSettings(), Path("/tmp/policy"), corpus=texts)    # merges learned from texts
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, model_validator
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 IM_START, IM_END, END_OF_TEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
@@ -30,6 +36,7 @@ ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     (TOOL_CALL, False), (TOOL_CALL_END, False), (TOOL_RESPONSE, False), (TOOL_RESPONSE_END, False),
 )
 DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+BYTE_VOCAB = 256  # a vocabulary of bytes alone: no merges
 # transformers.models.qwen2.tokenization_qwen2.PRETOKENIZE_REGEX, restated so the saved file is explicit.
 QWEN2_SPLIT_REGEX = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -95,10 +102,17 @@ class PolicyModelSettings(BaseModel):
     """SwiGLU width."""
     max_position_embeddings: int = 8192
     """Context length: the paper's max_total_len 8192."""
-    rope_theta: float = 1_000_000.0
-    """RoPE base of Qwen2.5."""
+    rope_theta: float = 10_000.0
+    """RoPE base. Qwen2.5 uses 1e6 for its long context; at 1e6 most of a 64-dim head's rotations barely
+    turn over a few hundred tokens, and our from-scratch model trained on calc demonstrations never
+    read the question (same constant tool calls for every task); at 1e4 (Llama's, GPT-NeoX's) the
+    same data taught it to pick the operation and copy operands."""
     seed: int = 0
     """Seed of the random initialization: the same seed gives byte-identical weights."""
+    vocab_size: int = 2048
+    """Byte-level BPE vocabulary before the added tokens, merges learned from the environments' oracle
+    episodes (Qwen2.5 has 151k learned from the web; 2048 is where merges on our episodes saturate,
+    ~4x shorter than bytes); 256 = bytes only, no corpus needed."""
 
     @model_validator(mode="after")
     def _head_dim_is_64(self) -> PolicyModelSettings:
@@ -106,6 +120,8 @@ class PolicyModelSettings(BaseModel):
             raise ValueError(f"hidden_size / num_heads must be 64, got {self.hidden_size}/{self.num_heads}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.vocab_size < BYTE_VOCAB:
+            raise ValueError(f"vocab_size must be at least {BYTE_VOCAB} (every byte is a token), got {self.vocab_size}")
         return self
 
 
@@ -122,25 +138,45 @@ def _bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The byte-level tokenizer: token id == byte value for ids 0..255, then the added tokens.
+def _pre_tokenizer() -> pre_tokenizers.PreTokenizer:
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+
+
+def _byte_model() -> models.BPE:
+    """Bytes alone: token id == byte value for ids 0..255."""
+    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
+    return models.BPE(vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="",
+                      fuse_unk=False, byte_fallback=False)
+
+
+def build_tokenizer(corpus: Sequence[str] = (), vocab_size: int = BYTE_VOCAB) -> PreTrainedTokenizerFast:
+    """The byte-level BPE tokenizer: bytes alone, or with merges learned from `corpus` up to `vocab_size`.
 
     transformers' AutoTokenizer loads every `qwen2` checkpoint as Qwen2Tokenizer, which keeps the
     vocabulary and merges of tokenizer.json but rebuilds the rest of the pipeline (NFC, Qwen's
     split regex, ByteLevel). The pipeline here is that one, so the tokenizer we save is the one
-    every loader (ours, the learner's, vLLM's) gets back. With no merges the split changes nothing;
-    NFC means a non-NFC string does not survive decode -> encode (the agent loop checks for that).
+    every loader (ours, the learner's, vLLM's) gets back. NFC means a non-NFC string does not
+    survive decode -> encode (the agent loop checks for that). Training is deterministic: the same
+    corpus gives the same merges.
     """
-    vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
-    backend = Tokenizer(models.BPE(
-        vocab=vocab, merges=[], continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
-    ))
+    if vocab_size < BYTE_VOCAB:
+        raise ValueError(f"vocab_size must be at least {BYTE_VOCAB}, got {vocab_size}")
+    if vocab_size > BYTE_VOCAB and not corpus:
+        raise ValueError(f"a vocabulary of {vocab_size} needs a corpus to learn its merges from")
+    backend = Tokenizer(_byte_model() if vocab_size == BYTE_VOCAB else models.BPE())
     backend.normalizer = normalizers.NFC()
-    backend.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    backend.pre_tokenizer = _pre_tokenizer()
     backend.decoder = decoders.ByteLevel()
+    if vocab_size > BYTE_VOCAB:
+        # The whole byte alphabet first, whether the corpus has every byte or not: any text stays spellable.
+        backend.train_from_iterator(list(corpus), trainers.BpeTrainer(
+            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+        # As Qwen2Tokenizer rebuilds them on load, so the saved file is exactly what loaders get back.
+        backend.model.continuing_subword_prefix = ""
+        backend.model.end_of_word_suffix = ""
     backend.add_tokens([AddedToken(text, special=special, normalized=False) for text, special in ADDED_TOKENS])
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -171,9 +207,17 @@ def build_config(settings: PolicyModelSettings, tokenizer: PreTrainedTokenizerFa
     )
 
 
-def init_model(settings: PolicyModelSettings, out: Path) -> dict[str, object]:
-    """Writes config, weights (safetensors), tokenizer and generation config to `out`; returns a summary."""
-    tokenizer = build_tokenizer()
+def init_model(settings: PolicyModelSettings, out: Path, corpus: Sequence[str] | None = None) -> dict[str, object]:
+    """Writes config, weights (safetensors), tokenizer and generation config to `out`; returns a summary.
+
+    `corpus`: the texts the tokenizer's merges are learned from; None = the environments' oracle
+    episodes (pipeline.tokenizer_corpus.default_corpus), unused when settings.vocab_size is 256.
+    """
+    if corpus is None and settings.vocab_size > BYTE_VOCAB:
+        from pipeline.tokenizer_corpus import default_corpus  # runs the environments: only when merges are learned
+
+        corpus = default_corpus()
+    tokenizer = build_tokenizer(corpus or (), settings.vocab_size)
     config = build_config(settings, tokenizer)
     torch.manual_seed(settings.seed)
     model = Qwen2ForCausalLM(config).to(torch.float32).eval()
@@ -189,6 +233,7 @@ def init_model(settings: PolicyModelSettings, out: Path) -> dict[str, object]:
         "out": str(out),
         "parameters": sum(p.numel() for p in model.parameters()),
         "vocab_size": config.vocab_size,
+        "merges": settings.vocab_size - BYTE_VOCAB,
         "hidden_size": settings.hidden_size,
         "num_layers": settings.num_layers,
         "head_dim": settings.hidden_size // settings.num_heads,

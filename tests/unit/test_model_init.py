@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
 from pipeline.model_cmd import app
-from pipeline.model_init import IM_END, PolicyModelSettings, init_model
+from pipeline.model_init import IM_END, PolicyModelSettings, build_tokenizer, init_model
+from pipeline.tokenizer_corpus import default_corpus
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +51,45 @@ def test_auto_tokenizer_gets_back_exactly_the_saved_tokenizer(checkpoint):
     assert loaded == json.loads((checkpoint / "tokenizer.json").read_text())
 
 
-def test_every_byte_is_its_own_token_and_control_tokens_are_single_tokens(checkpoint):
+def test_any_text_survives_encode_and_decode_and_control_tokens_are_single_tokens(checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    text = "ls -la /tmp && echo 'héllo'\n"
-    assert tokenizer.encode(text, add_special_tokens=False) == list(text.encode())
+    for text in ["ls -la /tmp && echo 'héllo'\n", "SELECT `名前` FROM t; -- ☃ \t\x00\x7f", "((17 + 5) * 3) - 8"]:
+        assert tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)) == text
     for tag in ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>",
                 "<tool_response>", "</tool_response>"]:
         assert len(tokenizer.encode(tag, add_special_tokens=False)) == 1
     assert tokenizer.eos_token == IM_END
+
+
+def test_default_tokenizer_writes_the_environments_episodes_at_least_three_times_shorter_than_bytes(checkpoint):
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    texts = default_corpus()
+    tokens = sum(len(tokenizer.encode(text, add_special_tokens=False)) for text in texts)
+    assert sum(len(text.encode()) for text in texts) / tokens >= 3.0
+    assert len(tokenizer) == PolicyModelSettings().vocab_size + 7
+
+
+def test_bytes_only_vocabulary_makes_every_byte_its_own_token(tmp_path):
+    result = CliRunner().invoke(app, ["init", "--out", str(tmp_path / "b"), "--layers", "1", "--vocab-size", "256"])
+    assert result.exit_code == 0, result.output
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "b")
+    text = "ls -la /tmp && echo 'héllo'\n"
+    assert tokenizer.encode(text, add_special_tokens=False) == list(text.encode())
+    assert len(tokenizer) == 256 + 7
+
+
+def test_learned_merges_are_the_same_for_the_same_corpus():
+    corpus = ["<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 17}}</tool_call>", "SELECT name FROM users"] * 20
+    first, second = build_tokenizer(corpus, 300), build_tokenizer(corpus, 300)
+    assert first.backend_tokenizer.to_str() == second.backend_tokenizer.to_str()
+    assert len(first.encode("SELECT name FROM users", add_special_tokens=False)) < len("SELECT name FROM users")
+
+
+def test_a_vocabulary_beyond_bytes_needs_a_corpus_and_one_below_bytes_is_refused():
+    with pytest.raises(ValueError, match="corpus"):
+        build_tokenizer((), 1024)
+    with pytest.raises(ValueError, match="256"):
+        PolicyModelSettings(vocab_size=100)
 
 
 def test_forward_pass_gives_a_distribution_over_the_vocabulary(checkpoint):
