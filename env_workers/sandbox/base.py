@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import re
 import secrets
 import time
@@ -39,6 +40,18 @@ class ExecResult:
     output: str
     timed_out: bool = False
     shell_restarted: bool = False
+
+
+def process_gone(pid: int) -> bool:
+    """Whether process `pid` of this host has exited (one we may not signal is alive: not ours to judge).
+    Both backends name what a worker leaves behind after its pid, and sweep what dead workers left."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
 
 
 def truncate_output(text: str, limit: int, keep: int) -> str:

@@ -39,7 +39,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
-from env_workers.sandbox.base import OUTPUT_CAP_BYTES, ExecResult, Sandbox, SandboxBackend, SandboxCrashed, ShellChannel, rootfs_for
+from env_workers.sandbox.base import OUTPUT_CAP_BYTES, ExecResult, Sandbox, SandboxBackend, SandboxCrashed, ShellChannel, process_gone, rootfs_for
 from env_workers.sandbox.settings import SandboxSettings
 
 log = logging.getLogger(__name__)
@@ -331,15 +331,7 @@ class BwrapSandbox(Sandbox):
 def _owner_gone(name: str, prefix: str) -> bool:
     """Whether the process whose pid follows `prefix` in `name` has exited."""
     pid = name[len(prefix):].split("-", 1)[0]
-    if not pid.isdigit():
-        return False  # not ours to judge
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return pid.isdigit() and process_gone(int(pid))  # a name without a pid: not ours to judge
 
 
 def sweep_orphans(settings: SandboxSettings) -> int:

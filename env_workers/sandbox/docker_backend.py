@@ -35,7 +35,7 @@ from typing import Any
 import docker
 import docker.errors
 
-from env_workers.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxCrashed, ShellChannel, rootfs_for
+from env_workers.sandbox.base import ExecResult, Sandbox, SandboxBackend, SandboxCrashed, ShellChannel, process_gone, rootfs_for
 from env_workers.sandbox.bwrap import ENV, _kill, _mount, _umount, descendants
 from env_workers.sandbox.settings import SandboxSettings
 
@@ -113,15 +113,7 @@ def _owner() -> str:
 def _owner_gone(owner: str) -> bool:
     """Whether `host:pid` names a process of this host that has exited (another host's: not ours to judge)."""
     host, _, pid = owner.rpartition(":")
-    if host != socket.gethostname() or not pid.isdigit():
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return host == socket.gethostname() and pid.isdigit() and process_gone(int(pid))
 
 
 def layer_boundable(info: dict[str, Any]) -> bool:
