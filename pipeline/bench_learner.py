@@ -39,7 +39,7 @@ from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.config import load_config
 from pipeline.engine.launch import free_port
-from pipeline.model_init import PolicyModelSettings, build_config, build_tokenizer
+from pipeline.model_init import ADDED_TOKENS, PolicyModelSettings, build_config, build_tokenizer
 from schemas import objectstore, topics
 from schemas.weight_layout import plan_buckets
 
@@ -47,8 +47,11 @@ MB = 1024 * 1024
 
 
 def default_config() -> Qwen2Config:
-    """The default policy's config, exactly as `rollstream model init` builds it."""
-    return build_config(PolicyModelSettings(), build_tokenizer())
+    """The default policy's shape as `rollstream model init` builds it: its vocabulary is the default
+    number of BPE tokens plus the added ones (learning the merges themselves would change no shape)."""
+    config = build_config(PolicyModelSettings(), build_tokenizer())
+    config.vocab_size = PolicyModelSettings().vocab_size + len(ADDED_TOKENS)
+    return config
 
 
 # Qwen2.5-0.5B's shape (494M parameters).
