@@ -173,7 +173,7 @@ def run_bench(cfg: RollstreamConfig, run: str, faults: list[str], console: Conso
 
     schedule = FaultSchedule(faults, start_version=1, recover_versions=1)
     # Enough learner steps for every fault to go in and be recovered from, with one to spare.
-    cfg = RollstreamConfig(**{**cfg.model_dump(), "max_steps": schedule.versions_needed()})
+    cfg = cfg.replaced(max_steps=schedule.versions_needed())
 
     say = timestamped(console)
 

@@ -40,7 +40,7 @@ READ = (topics.TASKS_REQUESTED, topics.STEPS, topics.BATCHES, topics.WEIGHTS, to
 
 def mode_config(base: RollstreamConfig, mode: str, steps: int) -> RollstreamConfig:
     """The run of one mode: the same workload and engine count, the pipeline's shape apart."""
-    data = base.model_dump()
+    data = base.as_data()
     engines = base.engines.current + base.engines.stale
     data["max_steps"] = steps
     data["mix"] = {**data["mix"], "val_families": [], "val_interval": 1}

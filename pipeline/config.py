@@ -133,6 +133,16 @@ class RollstreamConfig(BaseSettings):
         """runs/<run>/: a relative runs_dir is taken from the repository root, not the working directory."""
         return (self.runs_dir if self.runs_dir.is_absolute() else REPO_ROOT / self.runs_dir) / run
 
+    def as_data(self) -> dict[str, Any]:
+        """The configuration as plain data that validates back to it: learner.stale_step is left out
+        unless it was set (it follows streams.stale_step; a dumped default would read as a conflict)."""
+        exclude = None if "stale_step" in self.learner.model_fields_set else {"learner": {"stale_step"}}
+        return self.model_dump(exclude=exclude)
+
+    def replaced(self, **changes: Any) -> RollstreamConfig:
+        """A copy with top-level `changes`, validated again (model_copy would skip the cross-checks)."""
+        return RollstreamConfig(**{**self.as_data(), **changes})
+
     def learner_settings(self) -> LearnerSettings:
         """The learner's settings as the run gives them: its stale_step (retention, stale broadcasts)
         is the streams' stale_step, set once under `streams:`."""

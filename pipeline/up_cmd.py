@@ -17,7 +17,7 @@ def _config(path: Path | None, max_steps: int | None) -> RollstreamConfig:
     try:
         cfg = load_config(path)
         if max_steps is not None:
-            cfg = RollstreamConfig(**{**cfg.model_dump(), "max_steps": max_steps})
+            cfg = cfg.replaced(max_steps=max_steps)
         return cfg
     except (ValidationError, ValueError, OSError) as e:
         message = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()) \

@@ -55,9 +55,11 @@ class Engine:
 
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory) -> Iterator[Engine]:
-    """The default policy, initialized in a temporary directory and served by one vLLM CPU engine."""
+    """The default policy's shape with a bytes-only tokenizer, initialized in a temporary directory and
+    served by one vLLM CPU engine. Bytes only: the tests below restrict sampling to byte ids (printable
+    ASCII), which with learned merges could be sampled in a split no re-encoding gives back."""
     model_dir = tmp_path_factory.mktemp("policy")
-    init_model(PolicyModelSettings(), model_dir)
+    init_model(PolicyModelSettings(vocab_size=256), model_dir)
     port = free_port()
     log_path = model_dir.parent / "vllm.log"
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}

@@ -110,6 +110,13 @@ def test_a_learner_stale_step_other_than_the_streams_is_refused():
     assert RollstreamConfig(streams={"stale_step": 5}, learner={"stale_step": 5}).learner_settings().stale_step == 5
 
 
+def test_a_copy_with_changes_keeps_a_stale_step_set_only_under_streams():
+    cfg = RollstreamConfig(streams={"stale_step": 2}, max_steps=25)
+    copy = cfg.replaced(max_steps=50)
+    assert copy.max_steps == 50 and copy.learner_settings().stale_step == 2
+    assert RollstreamConfig(**cfg.as_data()) == cfg
+
+
 def test_every_learner_setting_is_reachable_from_the_yaml_file(tmp_path):
     retention = {"keep_versions": 5, "keep_stale_versions": 1, "keep_checkpoints": 4, "poll_timeout_s": 0.5,
                  "parallelism": "fsdp", "lr": 2e-6, "checkpoint_interval": 3}
