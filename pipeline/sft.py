@@ -62,21 +62,22 @@ class SftSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    families: tuple[str, ...] = ("calc", "kg", "os", "db")
-    """Families to learn from: the RL mix (issue 7: at least three, with os and db)."""
-    samples: dict[str, int] = {"calc": 512, "kg": 192, "os": 48, "db": 48}
-    """Train-split samples per family whose oracle episode becomes a demonstration: most go to calc and
-    kg (its first train samples are 1-hop, as are its first dev samples), the likeliest to be learned;
-    os and db, beyond a model this size, are in the mix at a few each."""
-    epochs: int = Field(1, ge=1)
-    """Passes over the demonstrations."""
+    families: tuple[str, ...] = ("calc", "os", "db")
+    """Families to learn from: `make run`'s mix (issue 7: at least three, with os and db)."""
+    samples: dict[str, int] = {"calc": 5000, "os": 48, "db": 48}
+    """Train-split samples per family whose oracle episode becomes a demonstration. Nearly all go to calc,
+    the one family a model this size was measured to learn: it picks the operation and copies operands
+    and tool results only after ~1000 steps of calc demonstrations (0% held-out success at 200-400
+    steps, 3% at 900); os and db, beyond it, are in at a few each so their tool-call format is seen."""
+    epochs: int = Field(2, ge=1)
+    """Passes over the demonstrations (about 1270 steps with the default samples)."""
     batch_size: int = Field(8, ge=1)
-    """Demonstrations per optimizer step, all of one family (100 steps with the default samples)."""
-    lr: float = Field(6e-3, gt=0.0)
+    """Demonstrations per optimizer step, all of one family."""
+    lr: float = Field(3e-3, gt=0.0)
     """Peak AdamW learning rate (a from-scratch model; the paper's RL lr 1e-6 is for a pretrained 14B)."""
     weight_decay: float = Field(0.0, ge=0.0)
     """AdamW weight decay."""
-    warmup_steps: int = Field(10, ge=0)
+    warmup_steps: int = Field(20, ge=0)
     """Linear warm-up steps, then cosine decay to min_lr_ratio of the peak."""
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """Final learning rate as a share of the peak."""
