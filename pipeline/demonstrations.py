@@ -128,17 +128,26 @@ def tokenize(encoder: ChatEncoder, episode: Episode) -> Demonstration:
     return Demonstration(episode.family, episode.sample_id, ids, mask)
 
 
-async def demonstrations(
+async def oracle_episodes(
     family: str, env: Environment, samples: Sequence[Mapping[str, Any]],
-    golden: Callable[[Mapping[str, Any]], Policy], encoder: ChatEncoder,
-) -> tuple[list[Demonstration], int]:
-    """(demonstrations, oracle failures) for `samples`, in order; `golden(sample)` is the family's oracle."""
-    found: list[Demonstration] = []
+    golden: Callable[[Mapping[str, Any]], Policy],
+) -> tuple[list[Episode], int]:
+    """(successful oracle episodes, oracle failures) for `samples`, in order; `golden(sample)` is the family's oracle."""
+    found: list[Episode] = []
     failed = 0
     for sample in samples:
         episode = await oracle_episode(family, env, sample, golden(sample))
         if episode is None:
             failed += 1
-            continue
-        found.append(tokenize(encoder, episode))
+        else:
+            found.append(episode)
     return found, failed
+
+
+async def demonstrations(
+    family: str, env: Environment, samples: Sequence[Mapping[str, Any]],
+    golden: Callable[[Mapping[str, Any]], Policy], encoder: ChatEncoder,
+) -> tuple[list[Demonstration], int]:
+    """(demonstrations, oracle failures) for `samples`, in order; `golden(sample)` is the family's oracle."""
+    episodes, failed = await oracle_episodes(family, env, samples, golden)
+    return [tokenize(encoder, episode) for episode in episodes], failed

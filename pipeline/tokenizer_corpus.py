@@ -19,7 +19,7 @@ import functools
 from collections.abc import Mapping
 
 from env_workers.envs import registry
-from pipeline.demonstrations import oracle_episode
+from pipeline.demonstrations import oracle_episodes
 from pipeline.env_cmd import env_settings
 from pipeline.model_init import build_tokenizer
 from pipeline.sft import TRAIN_SPLITS
@@ -35,11 +35,10 @@ def tokenizer_corpus(episodes: Mapping[str, int] = DEFAULT_EPISODES) -> list[str
     envs = env_settings()
     texts: list[str] = []
     for name, count in episodes.items():
-        env, family = registry.environment(name, envs), registry.family(name)
-        for sample in registry.samples(name, TRAIN_SPLITS[name], envs)[:count]:
-            episode = asyncio.run(oracle_episode(name, env, sample, family.golden(sample)))
-            if episode is not None:
-                texts.append(template.apply_chat_template(episode.messages, tools=episode.tools, tokenize=False))
+        samples = registry.samples(name, TRAIN_SPLITS[name], envs)[:count]
+        played, _ = asyncio.run(oracle_episodes(name, registry.environment(name, envs), samples,
+                                                registry.family(name).golden))
+        texts += [template.apply_chat_template(e.messages, tools=e.tools, tokenize=False) for e in played]
     return texts
 
 
