@@ -13,7 +13,9 @@ assistant turn as the *raw generated text* (its ids decoded, eos dropped, no too
 the parsed message with tool_calls goes only to the environment. After each turn the loop
 re-encodes the history and checks two things:
 1. the encoding starts with the record as it was before the turn, else the template breaks the
-   prefix property: TemplatePrefixError, a configuration error, raised after closing the session;
+   prefix property: TemplatePrefixError, a configuration error, raised after closing the session
+   (unless a plain text in the turn's place keeps the prefix: then the sampled text itself merged
+   with the template's text before it, and the turn is invalid output as in 2.);
 2. it continues with exactly the sampled ids. It does not when the sampled ids are not the
    tokenizer's own encoding of their text: invalid UTF-8 (decoded lossily), a control tag spelled
    out byte by byte, a non-NFC string, or another segmentation of a BPE word. Such a turn is not a
@@ -187,6 +189,8 @@ class _Loop:
         """Appends the template's closing of the turn just generated; False when the sampled ids are not canonical."""
         rendered = self.encoder.encode(self.history, self.tools, add_generation_prompt=False)
         if rendered[:before] != self.record.ids[:before]:
+            if self.prefix_kept_with_other_content(before):
+                return False  # the sampled text merged with the template's text before it (e.g. leading newlines)
             raise TemplatePrefixError(
                 f"trajectory {self.id}: re-encoding the history with the new assistant turn changed the "
                 f"tokens before it; the chat template breaks the prefix property"
@@ -195,6 +199,13 @@ class _Loop:
             return False
         self.record.add_context(rendered[before + len(generated):])
         return True
+
+    def prefix_kept_with_other_content(self, before: int) -> bool:
+        """Whether the record's first `before` tokens survive when the last assistant turn says
+        something plain: then the template keeps the prefix property and it was the sampled text
+        that broke it (with BPE merges, text can merge with what the template wrote before it)."""
+        plain = [*self.history[:-1], {"role": "assistant", "content": "ok"}]
+        return self.encoder.encode(plain, self.tools, add_generation_prompt=False)[:before] == self.record.ids[:before]
 
     # --- events ---------------------------------------------------------------------------------
 

@@ -377,6 +377,16 @@ def test_template_that_breaks_the_prefix_property_raises_and_still_ends_the_sess
     assert env.ended == 1
 
 
+def test_sampled_text_that_merges_with_the_template_before_it_is_invalid_output_not_a_crash():
+    # Merges learned from text full of blank lines: "\n\n\n" is one token, so a turn that starts
+    # with two newlines re-encodes the template's "assistant\n" before it differently.
+    merged = ChatEncoder(build_tokenizer(["a\n\n\nb", "c\n\n\n\nd", "<|im_start|>assistant\n\n\nx"] * 50, 300))
+    env = FakeEnv(rounds=5)
+    rollout = run(merged, env, ScriptedEngine(merged, ["\n\nhello"]))
+    assert rollout.trajectory["status"] == "agent_validation_failed"
+    assert env.ended == 1
+
+
 def test_record_arrays_have_one_entry_per_token(encoder):
     t = run(encoder, FakeEnv(rounds=3), ScriptedEngine(encoder, [CALL])).trajectory
     sizes = {len(unpack_ids(t["input_ids"])), len(unpack_mask(t["loss_mask"])), len(unpack_logprobs(t["rollout_logprobs"]))}
