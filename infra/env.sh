@@ -22,6 +22,13 @@ MINIO_CONSOLE_PORT="${MINIO_CONSOLE_PORT:-9001}"
 export MINIO_ROOT_USER="${MINIO_ROOT_USER:-rollstream}"
 export MINIO_ROOT_PASSWORD="${MINIO_ROOT_PASSWORD:-rollstream-local-secret}"
 
+# The db family's MySQL backend (infra/mariadb.sh): a private server, not Debian's service on 3306.
+MARIADB_HOST="${MARIADB_HOST:-127.0.0.1}"
+MARIADB_PORT="${MARIADB_PORT:-3307}"
+MARIADB_SOCKET="${MARIADB_SOCKET:-$ROLLSTREAM_RUN/mariadb/mariadb.sock}"
+MARIADB_USER="${MARIADB_USER:-rollstream}"
+MARIADB_PASSWORD="${MARIADB_PASSWORD:-rollstream-local-secret}"
+
 PYTHON="${PYTHON:-python3.11}"
 VENV="${VENV:-$ROLLSTREAM_ROOT/.venv}"
 

@@ -33,7 +33,7 @@ from env_workers.latency import StepLatency
 from env_workers.settings import AgentLoopSettings
 from env_workers.worker_settings import EnvWorkerSettings
 from pipeline.bench_faults import ensure_random_policy
-from pipeline.config import REPO_ROOT, load_config
+from pipeline.config import REPO_ROOT, load_config, settings_json, write_private
 from pipeline.dispatcher_logic import Slot, requests_for
 from pipeline.engine.launch import launch_engine, stop_process_group
 from pipeline.env_cmd import env_settings
@@ -157,7 +157,7 @@ def run_scale(*, max_workers: int, concurrency: int, latency: StepLatency, max_t
         max_concurrency=concurrency, engine_urls={"current": [engine.url]}, model=str(model), env=env_settings(),
         agent_loop=AgentLoopSettings(max_turns=max_turns, max_total_len=4096, max_new_tokens=8, step_latency=latency))
     settings_path = out_dir / "env-worker.json"
-    settings_path.write_text(settings.model_dump_json(indent=2))
+    write_private(settings_path, settings_json(settings))
     rates: list[float] = []
     try:
         seconds = engine.wait_until_serving(600)

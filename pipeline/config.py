@@ -10,12 +10,13 @@ both the servers and the clients; so is ROLLSTREAM_DATA (the task data root, `en
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from env_workers.envs.base import EnvSettings
@@ -186,8 +187,16 @@ def _infra_env() -> dict[str, Any]:
         store["secret_key"] = env["MINIO_ROOT_PASSWORD"]
     if store:
         out["object_store"] = store
+    envs: dict[str, Any] = {}
     if "ROLLSTREAM_DATA" in env:
-        out["envs"] = {"data_root": env["ROLLSTREAM_DATA"]}
+        envs["data_root"] = env["ROLLSTREAM_DATA"]
+    # infra/mariadb.sh's server, for the db family's MySQL backend (used when envs.db_backend is mysql).
+    for variable, field in (("MARIADB_HOST", "db_mysql_host"), ("MARIADB_PORT", "db_mysql_port"),
+                            ("MARIADB_USER", "db_mysql_user"), ("MARIADB_PASSWORD", "db_mysql_password")):
+        if variable in env:
+            envs[field] = env[variable]
+    if envs:
+        out["envs"] = envs
     return out
 
 
@@ -208,3 +217,32 @@ def load_config(path: Path | None = None) -> RollstreamConfig:
             raise ValueError(f"{path}: the configuration must be a YAML mapping")
         data = loaded
     return RollstreamConfig(**_merge(data, _infra_env()))
+
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not plain data")
+
+
+def settings_json(settings: BaseModel, data: dict[str, Any] | None = None) -> str:
+    """`settings` (or its `data`) as JSON that validates back to it, secrets written out, for a child
+    process's settings file (model_dump_json would write them masked, and the child would use the mask)."""
+    return json.dumps(settings.model_dump() if data is None else data, default=_plain, indent=2)
+
+
+def write_config(cfg: RollstreamConfig, path: Path) -> None:
+    """A file that `load_config(path)` reads back to `cfg`, for a child process (`up` making the default
+    policy): secrets are written out, so only the owner may read it."""
+    write_private(path, settings_json(cfg, cfg.as_data()))  # JSON is YAML: load_config reads it
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes `text` to `path` readable by its owner only (settings files carry secrets)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(text)

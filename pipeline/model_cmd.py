@@ -25,8 +25,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from env_workers.chat_template import ChatEncoder
 from env_workers.envs import registry
+from pipeline.config import load_config
 from pipeline.demonstrations import DemonstrationError, demonstrations
-from pipeline.env_cmd import env_settings
 from pipeline.env_worker_cmd import served_model
 from pipeline.model_init import PolicyModelSettings, init_model
 from pipeline.sft import (EVAL_SPLITS, TRAIN_SPLITS, EvalSettings, SftSettings, eval_task, roll_out, save_checkpoint,
@@ -123,6 +123,8 @@ def sft(
     seed: int = typer.Option(SftSettings().seed, "--seed", help="Seed of the demonstration order."),
     eval_episodes: int = typer.Option(EvalSettings().episodes, "--eval-episodes",
                                       help="Held-out rollouts per family (0: no evaluation)."),
+    config: Path | None = typer.Option(None, "--config", help="YAML run configuration whose task environments "
+                                       "(`envs`: data, calc difficulty, sandbox) demonstrations and evaluation use."),
     force: bool = typer.Option(False, "--force", help="Write into a directory that is not empty."),
     quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -150,7 +152,10 @@ def sft(
     except ValidationError as error:
         _sft_fail(f"{error.errors()[0]['loc'][0]}: {error.errors()[0]['msg']}")
     started = time.perf_counter()
-    envs = env_settings()
+    try:
+        envs = load_config(config).envs
+    except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+        _sft_fail(f"--config {config}: {error}")
     tokenizer = AutoTokenizer.from_pretrained(model)
     try:
         encoder = ChatEncoder(tokenizer)

@@ -28,7 +28,7 @@ from confluent_kafka import Consumer, KafkaError, TopicPartition
 from rich.console import Console
 from rich.live import Live
 
-from pipeline.config import REPO_ROOT, RollstreamConfig
+from pipeline.config import REPO_ROOT, RollstreamConfig, write_config, write_private
 from pipeline.engine.launch import EngineProcess, free_port, launch_engine, stop_process_group
 from pipeline.run_view import RunView, render
 from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
@@ -62,8 +62,7 @@ class RunningChild:
     @classmethod
     def start(cls, child: Child, log_dir: Path) -> RunningChild:
         for path, content in child.files.items():
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(content)
+            write_private(Path(path), content)
         log_path = log_dir / f"{child.name}.log"
         log = open(log_path, "ab")
         # Its own session: Ctrl-C reaches only `up`, which stops every child in order.
@@ -145,8 +144,12 @@ def ensure_policy(cfg: RollstreamConfig, log_dir: Path, say: Callable[[str], Non
     base = path.with_name(path.name + ".init")
     say(f"no policy at {path}: making the default policy (model init + model sft; several minutes, once)")
     # No evaluation inside `model sft`: the run's validation round 0 measures the same policy.
+    # SFT demonstrates the run's own tasks (its `envs`: e.g. the calc difficulty), read from a copy of the run's config.
+    config = log_dir.parent / "settings" / "policy-config.json"
+    write_config(cfg, config)
     steps = [rollstream("model", "init", "--out", str(base), "--force"),
-             rollstream("model", "sft", "--model", str(base), "--out", str(path), "--force", "--eval-episodes", "0")]
+             rollstream("model", "sft", "--model", str(base), "--out", str(path), "--force", "--eval-episodes", "0",
+                        "--config", str(config))]
     for argv in steps:
         # Progress bars of these commands go straight to our stderr: nothing else is on screen yet.
         with open(log_dir / "policy.log", "ab") as log:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from env_workers.envs.base import EnvSettings
 from env_workers.worker_settings import EnvWorkerSettings
-from pipeline.config import RollstreamConfig
+from pipeline.config import RollstreamConfig, settings_json
 from streams.app import COMPONENTS
 
 # The dispatcher stops on its own after this many training groups; a run is stopped by its learner
@@ -55,7 +55,7 @@ def streams_child(cfg: RollstreamConfig, run: str, run_dir: Path, web_port: int,
         "streams", "worker", "--app-id", streams_app_id(run), "--datadir", str(run_dir / "streams"),
         "--web-port", str(web_port), "--settings", str(settings_path), "--components", ",".join(components),
         "--run", run),
-        {str(settings_path): cfg.streams.model_dump_json(indent=2)})
+        {str(settings_path): settings_json(cfg.streams)})
 
 
 def env_worker_children(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
@@ -63,7 +63,7 @@ def env_worker_children(cfg: RollstreamConfig, run: str, run_dir: Path, model_di
     settings = EnvWorkerSettings(max_concurrency=cfg.env_workers.concurrency, engine_urls=engine_urls,
                                  agent_loop=cfg.agent_loop, env=env)
     settings_path = run_dir / "settings" / "env_worker.json"
-    files = {str(settings_path): settings.model_dump_json(indent=2)}
+    files = {str(settings_path): settings_json(settings)}
     return [Child(f"env-worker-{i}", rollstream(
         "env-worker", "--run", run, "--model", str(model_dir), "--settings", str(settings_path),
         "--worker-id", f"{run}-env-worker-{i}"), files) for i in range(cfg.env_workers.count)]
@@ -80,7 +80,7 @@ def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
         argv += ["--broadcast-stale", ",".join(engine_urls["stale"])]
     if resume:
         argv.append("--resume")
-    return Child("learner", rollstream(*argv), {str(settings_path): cfg.learner_settings().model_dump_json(indent=2)},
+    return Child("learner", rollstream(*argv), {str(settings_path): settings_json(cfg.learner_settings())},
                  restart_args=() if resume else ("--resume",))
 
 

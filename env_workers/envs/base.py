@@ -37,9 +37,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from env_workers.sandbox.settings import SandboxSettings
 
@@ -64,7 +64,7 @@ class Status(StrEnum):
 
 
 class EnvSettings(BaseModel):
-    """Where the task data lives, each family's round limit and the os family's sandboxes."""
+    """Where the task data lives, each family's round limit, the db family's server and the os family's sandboxes."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -76,6 +76,20 @@ class EnvSettings(BaseModel):
     """AgentBench DBBench: 15 rounds."""
     db_query_timeout_s: float = 60.0
     """AgentBench DBBench: a statement is cut off after 60 s."""
+    db_backend: Literal["sqlite", "mysql"] = "sqlite"
+    """Where each db session's database lives: in-memory SQLite, or a MySQL-compatible server (AgentBench: MySQL)."""
+    db_mysql_host: str = "127.0.0.1"
+    """MySQL/MariaDB server host (infra/mariadb.sh serves on MARIADB_HOST, 127.0.0.1)."""
+    db_mysql_port: int = 3307
+    """MySQL/MariaDB server port (infra/mariadb.sh's MARIADB_PORT; 3307 keeps clear of a system server's 3306)."""
+    db_mysql_socket: Path | None = None
+    """Unix socket of the server; when set, it is used instead of host and port."""
+    db_mysql_user: str = "rollstream"
+    """Account that creates and drops each session's database and user (needs CREATE USER and GRANT OPTION)."""
+    db_mysql_password: SecretStr = SecretStr("rollstream-local-secret")
+    """Password of that account (infra/mariadb.sh's MARIADB_PASSWORD)."""
+    db_mysql_user_connections: int = Field(2, ge=1)
+    """Connections one session's user may hold at once (no paper default: one, plus one for a reconnect)."""
     kg_rounds: int = 15
     """AgentBench KG: 15 rounds."""
     calc_rounds: int = 8
@@ -86,8 +100,19 @@ class EnvSettings(BaseModel):
     """Generated calculator tasks in the train split (no paper default; small and fast for CPU checks)."""
     calc_dev_tasks: int = 200
     """Generated calculator tasks in the dev split."""
+    calc_operands: tuple[int, int] = (2, 30)
+    """Smallest and largest operand of a generated calculator task (AgentRL's example leaves it open)."""
+    calc_operations: tuple[int, int] = (1, 3)
+    """Fewest and most operations of a generated calculator task (a few turns, as AgentRL's example)."""
     os_sandbox: SandboxSettings = SandboxSettings()
     """The os family's sandbox backend and limits (AgentBench: Docker containers, 30 s per command)."""
+
+    @field_validator("calc_operands", "calc_operations")
+    @classmethod
+    def _a_positive_range(cls, bounds: tuple[int, int]) -> tuple[int, int]:
+        if not 1 <= bounds[0] <= bounds[1]:
+            raise ValueError(f"expected 1 <= smallest <= largest, got {list(bounds)}")
+        return bounds
 
 
 class ActionError(Exception):

@@ -33,8 +33,6 @@ from env_workers.envs.base import (
 
 OPERATIONS = {"add": ("+", lambda a, b: a + b), "subtract": ("-", lambda a, b: a - b),
               "multiply": ("*", lambda a, b: a * b)}
-OPERAND_RANGE = (2, 30)
-STEPS_RANGE = (1, 3)
 
 SYSTEM_PROMPT = ("You are a careful calculator agent. Compute the value of the expression the user gives by "
                  "calling the tools for each operation, one at a time, then call submit with the final result.")
@@ -56,12 +54,14 @@ def expression(task: Mapping[str, Any]) -> str:
     return text
 
 
-def make_task(split: str, index: int, seed: int) -> dict[str, Any]:
-    """The task at (seed, split, index); a string seed makes Random deterministic across processes."""
+def make_task(split: str, index: int, seed: int, operands: tuple[int, int] = (2, 30),
+              operations: tuple[int, int] = (1, 3)) -> dict[str, Any]:
+    """The task at (seed, split, index), operands and operation count drawn from the inclusive ranges given;
+    a string seed makes Random deterministic across processes."""
     rng = random.Random(f"{seed}/{split}/{index}")
     while True:
-        start = rng.randint(*OPERAND_RANGE)
-        steps = [(rng.choice(sorted(OPERATIONS)), rng.randint(*OPERAND_RANGE)) for _ in range(rng.randint(*STEPS_RANGE))]
+        start = rng.randint(*operands)
+        steps = [(rng.choice(sorted(OPERATIONS)), rng.randint(*operands)) for _ in range(rng.randint(*operations))]
         value = start
         for op, operand in steps:
             value = OPERATIONS[op][1](value, operand)
@@ -71,7 +71,8 @@ def make_task(split: str, index: int, seed: int) -> dict[str, Any]:
 
 def generate(split: str, settings: EnvSettings) -> list[dict[str, Any]]:
     count = {"train": settings.calc_train_tasks, "dev": settings.calc_dev_tasks}[split]
-    return [make_task(split, index, settings.calc_seed) for index in range(count)]
+    return [make_task(split, index, settings.calc_seed, settings.calc_operands, settings.calc_operations)
+            for index in range(count)]
 
 
 def load(path: Path) -> list[dict[str, Any]]:

@@ -1,9 +1,10 @@
-"""db: AgentBench's DBBench (src/server/tasks/dbbench/task.py) as function calls over SQLite.
+"""db: AgentBench's DBBench (src/server/tasks/dbbench/task.py) as function calls over SQLite or MySQL.
 
-Each session gets a fresh in-memory SQLite database holding the task's table, created as AgentBench
-creates it on MySQL: every column TEXT, every value inserted as `str(value)` (so a JSON null
-becomes the text 'None', as upstream). Tools `execute_sql(query)` and
-`commit_final_answer(answers)`; 15 rounds. Query results are shown as upstream shows MySQL's:
+Each session gets a fresh database holding the task's table, created as AgentBench creates it on
+MySQL: every column TEXT, every value inserted as `str(value)` (so a JSON null becomes the text
+'None', as upstream). The database is in-memory SQLite by default (`EnvSettings.db_backend`), or
+one database per session on a MySQL-compatible server (db_mysql.py). Tools `execute_sql(query)`
+and `commit_final_answer(answers)`; 15 rounds. Query results are shown as upstream shows MySQL's:
 `str(list of row tuples)`, cut at 800 characters. Grading is in db_grading.py.
 
 The golden policy replays the task's own reference: the label SQL of an INSERT/UPDATE task, or the
@@ -19,9 +20,9 @@ import json
 import sqlite3
 import time
 import unicodedata
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from env_workers.envs import db_grading
 from env_workers.envs.base import (
@@ -81,6 +82,20 @@ def is_modification(task: Mapping[str, Any]) -> bool:
 def _tables(task: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     table = task["table"]
     return table if isinstance(table, list) else [table]
+
+
+def table_contents(task: Mapping[str, Any]) -> list[tuple[str, list[str], list[tuple[str, ...]]]]:
+    """(table name, column names, rows) of each task table as AgentBench inserts them: every value `str(value)`."""
+    return [
+        (table["table_name"], [c["name"] for c in table["table_info"]["columns"]],
+         [tuple(str(value) for value in row) for row in table["table_info"]["rows"]])
+        for table in _tables(task)
+    ]
+
+
+def cut(text: str) -> str:
+    """A result or error as AgentBench shows it: at most 800 characters, then "[TRUNCATED]"."""
+    return text[:RESULT_LIMIT] + "[TRUNCATED]" if len(text) > RESULT_LIMIT else text
 
 
 # MySQL reads these backslash escapes in string literals; SQLite reads none (\% and \_ stay for LIKE).
@@ -147,12 +162,11 @@ def create_database(task: Mapping[str, Any]) -> sqlite3.Connection:
     # Statements run in a worker thread (see DbEnvironment.call_tool), hence check_same_thread=False.
     connection = sqlite3.connect(":memory:", isolation_level=None, check_same_thread=False)
     connection.create_collation("mysql", mysql_collation)
-    for table in _tables(task):
-        name = db_grading.quote_identifier(table["table_name"])
-        columns = [db_grading.quote_identifier(c["name"]) for c in table["table_info"]["columns"]]
+    for table_name, column_names, rows in table_contents(task):
+        name = db_grading.quote_identifier(table_name)
+        columns = [db_grading.quote_identifier(c) for c in column_names]
         definitions = ", ".join(c + " TEXT COLLATE mysql" for c in columns)
         connection.execute(f"CREATE TABLE IF NOT EXISTS {name} ({definitions})")
-        rows = [tuple(str(value) for value in row) for row in table["table_info"]["rows"]]
         if rows:
             placeholders = ", ".join("?" * len(columns))
             connection.executemany(f"INSERT INTO {name} ({', '.join(columns)}) VALUES ({placeholders})", rows)
@@ -173,26 +187,44 @@ def execute(connection: sqlite3.Connection, query: str, timeout_s: float) -> str
         text = str(error)
     finally:
         connection.set_progress_handler(None, 0)
-    if len(text) > RESULT_LIMIT:
-        text = text[:RESULT_LIMIT] + "[TRUNCATED]"
-    return text
+    return cut(text)
 
 
-def tables_hash(connection: sqlite3.Connection, task: Mapping[str, Any]) -> str | None:
+# (table name, column names) -> AgentBench's hash of that table on the session's database.
+TableHash = Callable[[str, Sequence[str]], str | None]
+
+
+def _sqlite_table_hash(connection: sqlite3.Connection) -> TableHash:
+    def table_hash(table_name: str, columns: Sequence[str]) -> str | None:
+        try:
+            return db_grading.table_hash(connection, table_name, columns)
+        except sqlite3.OperationalError as error:  # the policy dropped the table or a column: no match
+            return str(error)
+
+    return table_hash
+
+
+def combined_hash(task: Mapping[str, Any], table_hash: TableHash) -> str | None:
     """AgentBench's calculate_tables_hash: per-table hashes, sorted and joined with '_'."""
-    hashes = []
-    for table in _tables(task):
-        columns = [c["name"] for c in table["table_info"]["columns"]]
-        hashes.append(db_grading.table_hash(connection, table["table_name"], columns))
+    hashes = [table_hash(name, columns) for name, columns, _ in table_contents(task)]
     if len(hashes) == 1:
         return hashes[0]
     return "_".join(sorted(str(h) for h in hashes))
 
 
-def grade(connection: sqlite3.Connection, task: Mapping[str, Any], answers: Sequence[str]) -> bool:
+def tables_hash(connection: sqlite3.Connection, task: Mapping[str, Any]) -> str | None:
+    return combined_hash(task, _sqlite_table_hash(connection))
+
+
+def grade_with(table_hash: TableHash, task: Mapping[str, Any], answers: Sequence[str]) -> bool:
+    """The task's verdict; `table_hash` reads the session's database (for INSERT/UPDATE tasks only)."""
     if is_modification(task):
-        return db_grading.compare_modification(tables_hash(connection, task), str(task["answer_md5"]))
+        return db_grading.compare_modification(combined_hash(task, table_hash), str(task["answer_md5"]))
     return db_grading.compare_select(list(answers), task["label"])
+
+
+def grade(connection: sqlite3.Connection, task: Mapping[str, Any], answers: Sequence[str]) -> bool:
+    return grade_with(_sqlite_table_hash(connection), task, answers)
 
 
 def prompt(task: Mapping[str, Any]) -> str:
@@ -204,35 +236,75 @@ def prompt(task: Mapping[str, Any]) -> str:
     return text + "Question: " + task["description"] + "\n"
 
 
+class Backend(Protocol):
+    """Where sessions' databases live. Blocking calls: the environment runs them in worker threads."""
+
+    def create(self, task: Mapping[str, Any]) -> Any:
+        """A fresh database holding the task's tables (via table_contents); the session's handle."""
+
+    def execute(self, database: Any, query: str) -> str:
+        """One statement: its rows or its error as AgentBench shows them (cut), or TIMED_OUT."""
+
+    def table_hash(self, database: Any) -> TableHash:
+        """AgentBench's hash of one table of the session's database."""
+
+    def drop(self, database: Any) -> None:
+        """Releases the database; safe on a half-built one."""
+
+
+class SqliteBackend:
+    """One in-memory SQLite database per session (the default)."""
+
+    def __init__(self, query_timeout_s: float) -> None:
+        self.query_timeout_s = query_timeout_s
+
+    def create(self, task: Mapping[str, Any]) -> sqlite3.Connection:
+        return create_database(task)
+
+    def execute(self, database: sqlite3.Connection, query: str) -> str:
+        return execute(database, query, self.query_timeout_s)
+
+    def table_hash(self, database: sqlite3.Connection) -> TableHash:
+        return _sqlite_table_hash(database)
+
+    def drop(self, database: sqlite3.Connection) -> None:
+        database.close()
+
+
 class DbEnvironment(Environment):
     family = "db"
 
-    def __init__(self, max_rounds: int, query_timeout_s: float) -> None:
+    def __init__(self, max_rounds: int, backend: Backend) -> None:
         super().__init__(max_rounds)
-        self.query_timeout_s = query_timeout_s
+        self.backend = backend
 
     async def open(self, sample: Mapping[str, Any]) -> Opened:
         messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": prompt(sample)}]
-        return Opened(messages, TOOLS, create_database(sample))
+        return Opened(messages, TOOLS, await asyncio.to_thread(self.backend.create, sample))
 
     async def call_tool(self, session: Session, call: ToolCall) -> Outcome:
-        connection: sqlite3.Connection = session.state
+        # Threads keep a slow statement (or a server round trip) from stalling every other session of this loop.
         if call.name == "execute_sql":
-            # A thread keeps a slow statement from stalling every other session of this event loop.
-            result = await asyncio.to_thread(execute, connection, call.arguments["query"], self.query_timeout_s)
+            result = await asyncio.to_thread(self.backend.execute, session.state, call.arguments["query"])
             return Outcome(result or "No response from database.")
         if call.name == "commit_final_answer":
-            correct = grade(connection, session.sample, call.arguments["answers"])
+            table_hash = self.backend.table_hash(session.state)
+            correct = await asyncio.to_thread(grade_with, table_hash, session.sample, call.arguments["answers"])
             return Outcome("Answer committed.", Status.COMPLETED, float(correct), {"score": float(correct)})
         raise ActionError(f"no tool {call.name}")
 
     async def close(self, session: Session) -> None:
         if session.state is not None:
-            session.state.close()
+            await asyncio.to_thread(self.backend.drop, session.state)
 
 
 def make(settings: EnvSettings) -> DbEnvironment:
-    return DbEnvironment(max_rounds=settings.db_rounds, query_timeout_s=settings.db_query_timeout_s)
+    if settings.db_backend == "mysql":
+        # Imported here: the driver is needed only where a server is configured.
+        from env_workers.envs.db_mysql import MysqlBackend
+
+        return DbEnvironment(settings.db_rounds, MysqlBackend.from_settings(settings))
+    return DbEnvironment(settings.db_rounds, SqliteBackend(settings.db_query_timeout_s))
 
 
 def result_values(result: str) -> list[str]:

@@ -31,6 +31,28 @@ def test_infrastructure_variables_reach_the_clients(monkeypatch):
     assert "s3cret-pass" not in repr(cfg)  # secrets are masked when printed
 
 
+def test_mariadb_variables_reach_the_db_family(monkeypatch):
+    monkeypatch.setenv("MARIADB_PORT", "13307")
+    monkeypatch.setenv("MARIADB_PASSWORD", "db-pass")
+    monkeypatch.setenv("ROLLSTREAM_DATA", "/data/elsewhere")
+    envs = load_config().envs
+    assert (envs.db_mysql_port, envs.db_mysql_password.get_secret_value()) == (13307, "db-pass")
+    assert str(envs.data_root) == "/data/elsewhere"
+
+
+def test_model_sft_refuses_a_config_whose_environments_do_not_validate(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer_config.json"):
+        (model / name).write_text("{}")
+    config = tmp_path / "run.yaml"
+    config.write_text("envs:\n  calc_operands: [9, 2]\n")
+    result = CliRunner().invoke(app, ["model", "sft", "--model", str(model), "--out", str(tmp_path / "out"),
+                                      "--config", str(config)])
+    assert result.exit_code == 2
+    assert "calc_operands" in result.output and "smallest <= largest" in result.output
+
+
 def test_kafka_settings_become_each_clients_own_names():
     cfg = load_config()
     assert cfg.kafka.as_confluent()["bootstrap.servers"] == cfg.kafka.bootstrap_servers

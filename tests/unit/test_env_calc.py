@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+from pydantic import ValidationError
+
 from env_workers.envs import calc, registry
 from env_workers.envs.base import EnvSettings, Status, assistant_call
 from env_workers.envs.check import check_family
@@ -35,6 +38,19 @@ def test_tasks_are_deterministic_by_seed_split_and_index() -> None:
 def test_expression_is_left_nested_with_parentheses() -> None:
     task = {"start": 29, "steps": [("subtract", 28), ("add", 15), ("multiply", 5)]}
     assert calc.expression(task) == "((29 - 28) + 15) * 5"
+
+
+def test_operands_and_operation_counts_stay_in_the_configured_ranges() -> None:
+    easy = registry.samples("calc", "train", EnvSettings(calc_operands=(2, 9), calc_operations=(1, 1)))
+    assert all(len(t["steps"]) == 1 and 2 <= t["start"] <= 9 and 2 <= t["steps"][0][1] <= 9 for t in easy)
+    assert {t["start"] for t in easy} == set(range(2, 10))
+    assert calc.make_task("dev", 3, 7, (2, 30), (1, 3)) == calc.make_task("dev", 3, 7)  # the defaults
+
+
+def test_an_empty_or_non_positive_range_is_refused() -> None:
+    for bad in ({"calc_operands": (9, 2)}, {"calc_operations": (0, 2)}):
+        with pytest.raises(ValidationError, match="smallest <= largest"):
+            EnvSettings(**bad)
 
 
 def test_no_generated_answer_is_zero() -> None:

@@ -14,7 +14,7 @@ from env_workers.envs.base import EnvSettings
 from env_workers.worker_settings import EnvWorkerSettings
 from learner.settings import LearnerSettings
 from pipeline import cli
-from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
+from pipeline.config import REPO_ROOT, RollstreamConfig, load_config, write_config
 from pipeline.dispatch_cmd import parse_limit
 from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
                               learner_child, streams_child)
@@ -115,6 +115,23 @@ def test_a_copy_with_changes_keeps_a_stale_step_set_only_under_streams():
     copy = cfg.replaced(max_steps=50)
     assert copy.max_steps == 50 and copy.learner_settings().stale_step == 2
     assert RollstreamConfig(**cfg.as_data()) == cfg
+
+
+def test_a_written_config_reads_back_the_same_with_its_secrets_and_only_its_owner_may_read_it(tmp_path):
+    cfg = RollstreamConfig(envs={"calc_operands": [2, 9], "db_mysql_password": "s3cret", "data_root": str(tmp_path)},
+                           streams={"stale_step": 2})
+    path = tmp_path / "settings" / "run.json"
+    write_config(cfg, path)
+    again = load_config(path)
+    assert again == cfg and again.envs.db_mysql_password.get_secret_value() == "s3cret"
+    assert path.stat().st_mode & 0o077 == 0
+
+
+def test_env_workers_settings_file_carries_the_db_password_not_its_mask(tmp_path):
+    cfg = RollstreamConfig(envs={"db_backend": "mysql", "db_mysql_password": "s3cret"})
+    [child] = env_worker_children(cfg.replaced(env_workers={"count": 1}), "r", tmp_path, tmp_path / "model", {}, cfg.envs)
+    [text] = child.files.values()
+    assert EnvWorkerSettings.model_validate_json(text).env.db_mysql_password.get_secret_value() == "s3cret"
 
 
 def test_every_learner_setting_is_reachable_from_the_yaml_file(tmp_path):
