@@ -60,6 +60,12 @@ def choose_engine(engines: Iterable[EngineState], planned: str, now_ms: int, hea
     return None
 
 
+def serves_run(heartbeat: Mapping[str, Any], run: str | None) -> bool:
+    """Whether a heartbeat's engine may take turns of `run` (None: any run): it serves that run, or
+    names none (heartbeats written before they carried a run)."""
+    return run is None or heartbeat["run"] in ("", run)
+
+
 def turn_seed(trajectory_id: str, prompt_length: int) -> int:
     """A 31-bit seed for one turn of one trajectory (the same on every re-rollout)."""
     digest = hashlib.sha256(f"{trajectory_id}/{prompt_length}".encode()).digest()
@@ -70,8 +76,10 @@ class EnginePool:
     """The engines one worker may use, their clients, and the per-turn pick with fallback."""
 
     def __init__(self, *, stop_token_ids: Sequence[int], clock_ms: Callable[[], int], heartbeat_timeout_s: float,
-                 failure_backoff_s: float, timeout_s: float, http: httpx.AsyncClient | None = None) -> None:
+                 failure_backoff_s: float, timeout_s: float, http: httpx.AsyncClient | None = None,
+                 run: str | None = None) -> None:
         self.stop_token_ids = list(stop_token_ids)
+        self.run = run
         self.clock_ms = clock_ms
         self.heartbeat_timeout_ms = int(heartbeat_timeout_s * 1000)
         self.failure_backoff_ms = int(failure_backoff_s * 1000)
@@ -87,7 +95,10 @@ class EnginePool:
                 self._upsert(EngineState(f"{pool}-{index}", pool, url, model, static=True))
 
     def update(self, heartbeat: Mapping[str, Any]) -> None:
-        """Applies one `engines` heartbeat (schemas/avro/engine_heartbeat.avsc)."""
+        """Applies one `engines` heartbeat (schemas/avro/engine_heartbeat.avsc); one of another run
+        than the pool's is ignored, so a run never sends turns to an engine loaded with another run's weights."""
+        if not serves_run(heartbeat, self.run):
+            return
         old = self.states.get(heartbeat["engine_id"])
         self._upsert(EngineState(
             heartbeat["engine_id"], heartbeat["pool"], heartbeat["url"], heartbeat["model"],

@@ -192,7 +192,7 @@ def engine(
         control = EngineControl(url)
         follower = WeightFollower(consumer, mc, control, pool=pool.value, run=run, stale_step=settings.stale_step,
                                   download_root=work_dir / engine_id)
-        heartbeat = Heartbeat(producer, engine_id=engine_id, pool=pool.value, url=advertise_url or url, model=str(model),
+        heartbeat = Heartbeat(producer, engine_id=engine_id, run=run, pool=pool.value, url=advertise_url or url, model=str(model),
                               interval_s=settings.heartbeat_interval_s, probe_timeout_s=settings.probe_timeout_s,
                               initial_version=initial_version, extra_detail=lambda: follower.last_error)
         heartbeat.start()

@@ -56,7 +56,7 @@ def served_model(url: str) -> str:
 async def serve(settings: EnvWorkerSettings, config_path: Path | None, model: Path, run: str, worker_id: str) -> WorkerStats:
     config = load_config(config_path)
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model))
-    engines = EnginePool(stop_token_ids=[encoder.eos_token_id], clock_ms=lambda: int(time.time() * 1000),
+    engines = EnginePool(run=run, stop_token_ids=[encoder.eos_token_id], clock_ms=lambda: int(time.time() * 1000),
                          heartbeat_timeout_s=settings.heartbeat_timeout_s,
                          failure_backoff_s=settings.engine_failure_backoff_s,
                          timeout_s=settings.agent_loop.engine_timeout_s)

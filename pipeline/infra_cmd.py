@@ -12,6 +12,9 @@ from typing import Any
 import typer
 import yaml
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from minio import Minio
+from minio.commonconfig import ENABLED, Filter
+from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 
 from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
 from schemas import objectstore, topics
@@ -82,6 +85,51 @@ def create_topics(admin: AdminClient, spec: InfraSpec) -> tuple[list[str], list[
     return created, mismatched
 
 
+# -- payload expiry ---------------------------------------------------------------------------
+
+EXPIRES_WITH: dict[str, str] = {topics.PAYLOADS_BUCKET: topics.BATCHES}
+"""Buckets whose objects live as long as the events of a topic that point at them (claim checks)."""
+EXPIRY_RULE_ID = "rollstream-expire-with-topic"
+MS_PER_DAY = 86_400_000
+
+
+def expiration_days(retention_ms: int) -> int | None:
+    """The lifecycle expiration, in whole days as S3 needs them (rounded up, at least 1), that keeps
+    an object at least as long as a topic with this retention.ms keeps events; None for a topic
+    that keeps them forever (retention.ms -1)."""
+    if retention_ms < 0:
+        return None
+    return max(1, -(-retention_ms // MS_PER_DAY))
+
+
+def topic_retention_ms(admin: AdminClient, topic: str) -> int:
+    """The topic's retention.ms as the broker applies it (its own setting, else the broker default)."""
+    resource = ConfigResource(ConfigResource.Type.TOPIC, topic)
+    return int(admin.describe_configs([resource])[resource].result()["retention.ms"].value)
+
+
+def ensure_expiration(mc: Minio, bucket: str, days: int | None) -> bool:
+    """Makes the bucket's lifecycle expire every object `days` after it was written (None: never),
+    leaving any other rule of the bucket as it is. Idempotent; returns whether it changed anything."""
+    current = mc.get_bucket_lifecycle(bucket)
+    rules = current.rules if current is not None else []
+    others = [r for r in rules if r.rule_id != EXPIRY_RULE_ID]
+    ours = [r for r in rules if r.rule_id == EXPIRY_RULE_ID]
+    if days is None:
+        if not ours:
+            return False
+        if others:
+            mc.set_bucket_lifecycle(bucket, LifecycleConfig(others))
+        else:
+            mc.delete_bucket_lifecycle(bucket)
+        return True
+    if [(r.status, r.expiration.days if r.expiration else None) for r in ours] == [(ENABLED, days)]:
+        return False
+    rule = Rule(ENABLED, rule_filter=Filter(prefix=""), rule_id=EXPIRY_RULE_ID, expiration=Expiration(days=days))
+    mc.set_bucket_lifecycle(bucket, LifecycleConfig([*others, rule]))
+    return True
+
+
 def describe(cfg: RollstreamConfig, spec: InfraSpec) -> dict[str, Any]:
     admin = AdminClient(cfg.kafka.as_confluent())
     meta = admin.list_topics(timeout=10)
@@ -117,9 +165,15 @@ def init(config: Path | None = typer.Option(None, "--config", help="YAML configu
     created, mismatched = create_topics(admin, spec)
     for m in mismatched:
         print(f"[rollstream] warning: topic {m}", file=sys.stderr)
-    buckets = objectstore.ensure_buckets(objectstore.client(cfg.object_store), spec.buckets)
+    mc = objectstore.client(cfg.object_store)
+    buckets = objectstore.ensure_buckets(mc, spec.buckets)
     print(f"[rollstream] topics: {len(spec.topics)} ({len(created)} created); "
           f"buckets: {len(spec.buckets)} ({len(buckets)} created)", file=sys.stderr)
+    for bucket, topic in EXPIRES_WITH.items():
+        days = expiration_days(topic_retention_ms(admin, topic))
+        if ensure_expiration(mc, bucket, days):
+            print(f"[rollstream] bucket {bucket}: objects now expire "
+                  f"{'never' if days is None else f'after {days} days'} (topic {topic}'s retention)", file=sys.stderr)
 
 
 @app.command("status")

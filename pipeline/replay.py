@@ -26,10 +26,10 @@ from typing import Any, Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
+from minio.error import MinioException, S3Error
 
-from pipeline.replay_logic import Bound, ReplayRecord, ReplayStats, UndecodableRecord, arrow_schema, flatten, run_of
-from minio.error import MinioException
-
+from pipeline.replay_logic import (Bound, MissingPayload, ReplayRecord, ReplayStats, UndecodableRecord, arrow_schema,
+                                   flatten, run_of)
 from schemas import objectstore, topics
 from schemas.codec import UndecodableEvent, codec
 from schemas.settings import KafkaSettings, ObjectStoreSettings
@@ -39,7 +39,7 @@ __all__ = ["Bound", "ReplayError", "ReplayRecord", "ReplayStats", "read_run", "r
 
 SUFFIXES = (".parquet", ".jsonl")
 ROW_GROUP = 1000
-# Everything verify reads: the run's events except engine heartbeats, which carry no run.
+# Everything verify reads: the run's events except engine heartbeats, which it has no check for.
 VERIFY_TOPICS: tuple[str, ...] = tuple(t for t in topics.ALL_TOPICS if t != topics.ENGINES)
 
 
@@ -103,7 +103,8 @@ def read_topic(kafka: KafkaSettings, topic: str, *, run: str | None = None, star
     are counted in `stats`; `progress` sees the stats after every fetch (records of other runs
     included, which a caller of a filtered replay would otherwise not see pass). A claim-checked
     event (payload_uri) is replaced by the whole event read with `fetch` and verified; one whose
-    object is missing or differs counts as undecodable (without `fetch` it stays as it is). Raises
+    object differs counts as undecodable, one whose object no longer exists is yielded as it stands
+    (items empty) and listed in `stats.missing_payloads` (without `fetch` it stays as it is). Raises
     ReplayError for a missing topic or a broker that stops answering."""
     if topic not in topics.EVENT_OF_TOPIC:
         raise ReplayError(f"unknown topic {topic!r}; topics: {', '.join(topics.ALL_TOPICS)}")
@@ -172,10 +173,20 @@ def _decode(msg: Any, event_type: str, stats: ReplayStats) -> ReplayRecord | Non
 
 
 def _resolve(record: ReplayRecord, event_type: str, fetch: Fetch, stats: ReplayStats) -> ReplayRecord | None:
+    """The record with its claim check resolved; as it stands (no items) when the stored object no
+    longer exists, which happens to every batch older than the payload bucket's expiration."""
     if record.value.get("payload_uri") is None:
         return record
     try:
         value = objectstore.resolve_claim_check(record.value, event_type, fetch)
+    except S3Error as e:
+        if e.code != "NoSuchKey":
+            stats.add_undecodable(UndecodableRecord(record.topic, record.partition, record.offset,
+                                                    f"claim check {record.value['payload_uri']}: {e}"))
+            return None
+        stats.missing_payloads.append(MissingPayload(record.topic, record.partition, record.offset,
+                                                     record.value["batch_id"], record.value["payload_uri"]))
+        return record
     except (objectstore.PayloadMismatch, UndecodableEvent, MinioException) as e:
         stats.add_undecodable(UndecodableRecord(record.topic, record.partition, record.offset,
                                                 f"claim check {record.value['payload_uri']}: {e}"))
@@ -186,7 +197,7 @@ def _resolve(record: ReplayRecord, event_type: str, fetch: Fetch, stats: ReplayS
 def read_run(kafka: KafkaSettings, run: str, topics: Sequence[str] = VERIFY_TOPICS, *, start: Bound | None = None,
              stats: ReplayStats | None = None, progress: Callable[[str, ReplayStats], None] | None = None,
              fetch: Fetch | None = None) -> dict[str, list[ReplayRecord]]:
-    """Every event of `run` on each of `topics` (all of dlq and engines, which carry no run), from
+    """Every event of `run` on each of `topics` (all of dlq, which carries no run), from
     `start` (the run's start time spares reading older runs) or the beginning, claim checks
     resolved with `fetch`; `progress` sees the topic being read and the stats so far."""
     return {t: list(read_topic(kafka, t, run=run, start=start, stats=stats,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 from typing import NoReturn
@@ -115,8 +116,8 @@ Example:
 def replay_topic(
     ctx: typer.Context,
     out: list[Path] = typer.Option(..., "--out", help="Output file, .parquet or .jsonl; repeat to write both."),
-    run: str | None = typer.Option(None, help="Only events of this run (heartbeats and dead letters carry none: "
-                                   "all kept)."),
+    run: str | None = typer.Option(None, help="Only events of this run (dead letters, and heartbeats of engines "
+                                   "that name no run, carry none: all kept)."),
     start: str | None = typer.Option(None, "--from", help="First offset (in every partition) or ISO-8601 time, "
                                      "inclusive."),
     end: str | None = typer.Option(None, "--to", help="End offset (in every partition) or ISO-8601 time, exclusive."),
@@ -144,17 +145,26 @@ def replay_topic(
         progress.close()
     _report_undecodable(stats)
     summary = {"topic": topic, "run": run, "rows": {str(p): rows for p in out}, "read": stats.read,
-               "other_runs": stats.other_runs, "undecodable": stats.undecodable}
+               "other_runs": stats.other_runs, "undecodable": stats.undecodable,
+               "missing_payloads": [asdict(m) for m in stats.missing_payloads]}
     if as_json:
         typer.echo(json.dumps(summary))
         return
     for path in out:
         typer.echo(f"{path}: {rows} rows of {topic}")
     typer.echo(f"read {stats.read} records, {stats.other_runs} of other runs skipped, "
-               f"{stats.undecodable} undecodable")
+               f"{stats.undecodable} undecodable, {len(stats.missing_payloads)} without their stored payload")
+
+
+def _report_missing_payloads(stats: ReplayStats) -> None:
+    """One line on stderr per batch whose stored payload is gone: its row carries no items."""
+    for m in stats.missing_payloads:
+        typer.echo(f"payload gone: {m.topic}[{m.partition}]@{m.offset} batch {m.batch_id}: {m.uri} no longer "
+                   "exists (expired or deleted); its items are unknown", err=True)
 
 
 def _report_undecodable(stats: ReplayStats) -> None:
+    _report_missing_payloads(stats)
     for u in stats.undecodable_examples:
         typer.echo(f"undecodable: {u.topic}[{u.partition}]@{u.offset}: {u.reason}", err=True)
     if stats.undecodable > len(stats.undecodable_examples):
@@ -187,6 +197,7 @@ def replay_verify(
         _fail(str(e))
     finally:
         progress.close()
+    _report_missing_payloads(stats)
     report = verify(records, VerifySettings(std=std), run=run, undecodable=stats.undecodable_by_topic)
     if as_json:
         typer.echo(json.dumps(report.as_dict()))

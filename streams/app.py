@@ -85,6 +85,12 @@ class WorkerSettings(BaseModel):
     """Serve only this run's events (`rollstream up` gives each run its own app); None serves every run."""
     batch_offload_bytes: int = Field(15 * 1024 * 1024, ge=1)
     """rollstream: an encoded batch above this size is stored in MinIO as a claim check (kept under Kafka's limit)."""
+    store_attempt_s: float = Field(120.0, gt=0)
+    """rollstream: how long one attempt to store a claim-checked batch keeps retrying (a store briefly away costs nothing)."""
+    store_backoff_s: float = Field(5.0, gt=0)
+    """rollstream: after a failed attempt the batch is cut and stored again this long later, doubling per failure."""
+    store_backoff_max_s: float = Field(300.0, gt=0)
+    """rollstream: the longest wait between two attempts to store a batch (it is retried forever, never dropped)."""
 
 
 FLUSH_TIMEOUT_S = 120.0

@@ -24,6 +24,14 @@ its URI, sha256 and size with `items` empty; the object is stored before the eve
 
 The agent applies an event's table writes only after its batch is stored and sent (`Staged`): a
 cut whose upload or send fails leaves the groups ready instead of recording them as batched.
+
+A store that stays away: one attempt retries for `store_attempt_s`; when it still fails, the event
+is applied without its cut (`on_store_failure`: its group stays ready, its credit stays open), the
+failure is logged with its reason and reported as a `metric` named streams/batch_store_failed, and
+the run's state holds when to try again (`store_retry_at`: exponential backoff, capped, forever).
+The next event of the run after that time, or a tick that a timer sends while a run has a failed
+store, cuts again from the then ready groups. Nothing is lost and no batch id is sent twice: the
+failed batch was never sent, and a retried cut taking the same groups has the same id and key.
 """
 
 from __future__ import annotations
@@ -38,11 +46,13 @@ from typing import Any
 from schemas import objectstore, topics
 from schemas.codec import codec
 from streams import batching
-from streams.app import FLUSH_TIMEOUT_S, Out, Wiring
+from streams.app import Out, WorkerSettings, Wiring
 from streams.serde import decode_from, encode_for, raw_table, tagged_table
 from streams.settings import StreamsSettings
 
 GROUP, WEIGHTS = "group", "weight_version"
+TICK = b"tick"
+STORE_FAILED_METRIC = "streams/batch_store_failed"
 log = logging.getLogger("rollstream.streams")
 
 Upload = tuple[str, str, bytes]
@@ -129,7 +139,22 @@ def staged(tables: BatcherTables) -> BatcherTables:
 
 
 def empty_state() -> dict[str, Any]:
-    return {"learner_version": None, "answered": None, "index": 0, "ready": []}
+    return {"learner_version": None, "answered": None, "index": 0, "ready": [], "store_failures": 0,
+            "retry_at_ms": None}
+
+
+def store_retry_at(failures: int, now_ms: int, worker: WorkerSettings) -> int:
+    """When a run may cut and store again after `failures` consecutive failed attempts: after
+    store_backoff_s, doubling with each failure up to store_backoff_max_s."""
+    delay_s = min(worker.store_backoff_s * 2 ** min(failures - 1, 32), worker.store_backoff_max_s)
+    return now_ms + int(delay_s * 1000)
+
+
+def store_due(state: dict[str, Any], now_ms: int) -> bool:
+    """Whether the run may cut now: no failed store pending, or its backoff has passed. (States
+    written before stores could fail lack the field.)"""
+    retry_at = state.get("retry_at_ms")
+    return retry_at is None or now_ms >= retry_at
 
 
 def summary(group: dict[str, Any]) -> dict[str, Any]:
@@ -159,14 +184,14 @@ def _try_cut(tables: BatcherTables, run: str, state: dict[str, Any], now_ms: int
     for g in plan.groups:
         tables.batched[g["group_id"]] = batch["batch_id"]
         del tables.ready[g["group_id"]]
-    state = {**state, "ready": plan.remaining, "index": state["index"] + 1, "answered": version}
+    state = {**state, "ready": plan.remaining, "index": state["index"] + 1, "answered": version,
+             "store_failures": 0, "retry_at_ms": None}
     return state, [out], uploads
 
 
-def on_batcher_event(tables: BatcherTables, data: bytes, now_ms: int, settings: StreamsSettings,
-                     claim: ClaimCheck | None = None) -> tuple[list[Out], list[Upload]]:
-    """Applies a group or a weight version to its run's state; returns the batch if one is cut
-    (and, for a claim check, the object to store before sending it)."""
+def _absorb(tables: BatcherTables, data: bytes) -> str | None:
+    """Applies a group or a weight version to its run's state without cutting; returns the run
+    (None for a redelivered group, which changes nothing)."""
     if codec().event_type_of(data) == WEIGHTS:
         version = codec().decode(data, WEIGHTS)
         run = version["run"]
@@ -178,12 +203,51 @@ def on_batcher_event(tables: BatcherTables, data: bytes, now_ms: int, settings: 
         run, gid = group["run"], group["group_id"]
         state = tables.state.get(run) or empty_state()
         if gid in tables.batched or any(g["group_id"] == gid for g in state["ready"]):
-            return [], []  # a redelivered group: already ready or trained
+            return None  # a redelivered group: already ready or trained
         tables.ready[gid] = data
         state = {**state, "ready": [*state["ready"], summary(group)]}
-    state, outs, uploads = _try_cut(tables, run, state, now_ms, settings, claim)
+    tables.state[run] = state
+    return run
+
+
+def failed_store_due(tables: BatcherTables, now_ms: int) -> str | None:
+    """The first run (by name) whose failed store may be retried now, if any."""
+    return next((run for run, state in sorted(tables.state.items())
+                 if state.get("store_failures") and store_due(state, now_ms)), None)
+
+
+def on_batcher_event(tables: BatcherTables, data: bytes, now_ms: int, settings: StreamsSettings,
+                     claim: ClaimCheck | None = None) -> tuple[list[Out], list[Upload]]:
+    """Applies a group or a weight version to its run's state, or a tick (which retries one run's
+    failed store when due); returns the batch if one is cut (and, for a claim check, the object to
+    store before sending it). A run waiting out a failed store's backoff cuts nothing."""
+    run = failed_store_due(tables, now_ms) if data == TICK else _absorb(tables, data)
+    if run is None or not store_due(tables.state[run], now_ms):
+        return [], []
+    state, outs, uploads = _try_cut(tables, run, tables.state[run], now_ms, settings, claim)
     tables.state[run] = state
     return outs, uploads
+
+
+def on_store_failure(tables: BatcherTables, data: bytes, pointer: bytes, now_ms: int, worker: WorkerSettings,
+                     reason: str) -> list[Out]:
+    """After the batch cut for `data` (its event: `pointer`) could not be stored: applies `data`
+    without the cut (its group stays ready, its credit open) and records the failure with the time
+    to try again; returns the metric event that reports it (value 1 per failure)."""
+    if data != TICK:
+        _absorb(tables, data)
+    batch = codec().decode(pointer, "batch")
+    run = batch["run"]
+    state = tables.state[run]
+    failures = state.get("store_failures", 0) + 1
+    retry_at = store_retry_at(failures, now_ms, worker)
+    tables.state[run] = {**state, "store_failures": failures, "retry_at_ms": retry_at}
+    metric = {"run": run, "name": STORE_FAILED_METRIC, "value": 1.0, "step": state["learner_version"],
+              "labels": {"batch_id": batch["batch_id"], "index": str(batch["index"]),
+                         "consecutive_failures": str(failures), "retry_in_s": f"{(retry_at - now_ms) / 1000:g}",
+                         "reason": reason},
+              "source": "streams/batcher", "at_ms": now_ms}
+    return [(topics.METRICS, STORE_FAILED_METRIC.encode(), encode_for(topics.METRICS, metric))]
 
 
 def register(w: Wiring) -> None:
@@ -199,11 +263,11 @@ def register(w: Wiring) -> None:
     store: list[Any] = []  # the object store client, made on the first claim check
 
     async def upload(bucket: str, key: str, data: bytes) -> None:
-        """Stores an object, retrying for up to FLUSH_TIMEOUT_S: a store that is briefly away must
+        """Stores an object, retrying for up to store_attempt_s: a store that is briefly away must
         not cost the batch (the batch id, hence the key, is the same on every try)."""
         if not store:
             store.append(objectstore.client(w.store))
-        deadline, delay = time.monotonic() + FLUSH_TIMEOUT_S, 0.5
+        deadline, delay = time.monotonic() + w.worker.store_attempt_s, 0.5
         while True:
             try:
                 # the SDK blocks: off the event loop, which keeps serving the other agents meanwhile
@@ -234,14 +298,31 @@ def register(w: Wiring) -> None:
                     await batcher_in.send(key=version["run"].encode(), value=event.value, partition=0)
             await w.guarded(event, "batcher-weights-intake", forward)
 
+    @w.app.timer(w.worker.sweep_interval_s, name="batcher-retry")
+    async def retry_ticks() -> None:
+        # Reads the local table copy: ticks only while a run waits to retry a failed store (a
+        # standby's stale copy may send a needless one, which cuts nothing).
+        if any(state.get("store_failures") for state in tables.state.values()):
+            await batcher_in.send(key=TICK, value=TICK, partition=0)
+
     @w.app.agent(batcher_in, name="batcher")
     async def batcher(stream):  # type: ignore[no-untyped-def]
         async for event in stream.events():
             async def handle(event=event) -> None:
+                now = w.clock()
                 view = staged(tables)
-                outs, uploads = on_batcher_event(view, event.value, w.clock(), w.settings, claim)
-                for bucket, key, data in uploads:
-                    await upload(bucket, key, data)
+                outs, uploads = on_batcher_event(view, event.value, now, w.settings, claim)
+                try:
+                    for bucket, key, data in uploads:
+                        await upload(bucket, key, data)
+                except Exception as error:  # noqa: BLE001 - any store failure leaves the batch to a later cut
+                    view = staged(tables)
+                    reason = f"{type(error).__name__}: {error}"
+                    outs = on_store_failure(view, event.value, outs[0][2], now, w.worker, reason)
+                    labels = codec().decode(outs[0][2], "metric")["labels"]
+                    log.error("batcher: batch %s (index %s) could not be stored, %s consecutive failures: %s; "
+                              "its groups stay ready and are cut and stored again in %s s", labels["batch_id"],
+                              labels["index"], labels["consecutive_failures"], reason, labels["retry_in_s"])
                 await w.send(outs)
                 for table in (view.state, view.ready, view.batched):
                     table.apply()

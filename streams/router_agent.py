@@ -75,7 +75,8 @@ def register(w: Wiring) -> None:
         async for event in stream.events():
             async def forward(event=event) -> None:
                 heartbeat = decode_from(topics.ENGINES, event.value)
-                await w.broadcast(router_in, parts, heartbeat["engine_id"].encode(), event.value)
+                if routing.serves_run(heartbeat, w.worker.run):  # another run's engines hold other weights
+                    await w.broadcast(router_in, parts, heartbeat["engine_id"].encode(), event.value)
             await w.guarded(event, "router-engines-intake", forward)
 
     @w.app.agent(w.raw_topic(topics.WEIGHTS), name="router-weights-intake")

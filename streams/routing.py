@@ -136,6 +136,12 @@ def fold_heartbeat(registry: Mapping[str, dict[str, Any]], heartbeat: dict[str, 
     return {**registry, heartbeat["engine_id"]: dict(heartbeat)}
 
 
+def serves_run(heartbeat: Mapping[str, Any], run: str | None) -> bool:
+    """Whether a heartbeat's engine may be routed turns of `run` (None: any run): it serves that run,
+    or names none (heartbeats written before they carried a run)."""
+    return run is None or heartbeat["run"] in ("", run)
+
+
 def is_live(heartbeat: Mapping[str, Any], now_ms: int, liveness_ms: int) -> bool:
     """Healthy at its last probe, and that heartbeat is no older than the liveness timeout."""
     return bool(heartbeat["healthy"]) and now_ms - heartbeat["sent_at_ms"] <= liveness_ms

@@ -62,12 +62,12 @@ def probe(url: str, timeout_s: float) -> Probe:
                  running, detail)
 
 
-def heartbeat_event(*, engine_id: str, pool: str, url: str, model: str, loaded_version: int, probe: Probe,
-                    sent_at_ms: int, detail: str = "") -> dict[str, Any]:
+def heartbeat_event(*, engine_id: str, pool: str, url: str, model: str, run: str, loaded_version: int,
+                    probe: Probe, sent_at_ms: int, detail: str = "") -> dict[str, Any]:
     """The engine_heartbeat event (schemas/avro/engine_heartbeat.avsc)."""
     return {"engine_id": engine_id, "pool": pool, "url": url, "model": model, "loaded_version": loaded_version,
             "queue_depth": probe.waiting, "running": probe.running, "healthy": probe.healthy,
-            "detail": "; ".join(d for d in (probe.detail, detail) if d), "sent_at_ms": sent_at_ms}
+            "detail": "; ".join(d for d in (probe.detail, detail) if d), "sent_at_ms": sent_at_ms, "run": run}
 
 
 class Heartbeat:
@@ -75,13 +75,14 @@ class Heartbeat:
 
     `loaded_version` is the server's own answer when it answers, else the last one known.
     `extra_detail` lets the owner add its state (e.g. the last staged download that failed).
+    `run` is the run whose weights the engine follows ("": none in particular, offered to every run).
     """
 
     def __init__(self, producer: EventProducer, *, engine_id: str, pool: str, url: str, model: str,
-                 interval_s: float, probe_timeout_s: float, initial_version: int,
+                 interval_s: float, probe_timeout_s: float, initial_version: int, run: str = "",
                  extra_detail: Callable[[], str] = str, clock: Callable[[], float] = time.time) -> None:
         self._producer = producer
-        self._fields = {"engine_id": engine_id, "pool": pool, "url": url, "model": model}
+        self._fields = {"engine_id": engine_id, "pool": pool, "url": url, "model": model, "run": run}
         self._interval_s = interval_s
         self._probe_timeout_s = probe_timeout_s
         self._extra_detail = extra_detail

@@ -77,7 +77,8 @@ def run_events(run: str, *, bad_advantage: bool = False) -> list[tuple[str, dict
         out.append((topics.WEIGHTS, {**samples.weight_version(), "run": run, "version": version, "step": version,
                                      "batch_id": batch_id}, run))
     out.append((topics.METRICS, {**samples.metric(), "run": run}, "actor/pg_loss"))
-    out.append((topics.ENGINES, {**samples.engine_heartbeat(), "engine_id": f"engine-{run}"}, f"engine-{run}"))
+    out.append((topics.ENGINES, {**samples.engine_heartbeat(), "engine_id": f"engine-{run}", "run": run},
+                f"engine-{run}"))
     out.append((topics.DLQ, {**samples.dead_letter(), "key": groups[0]["group_id"].encode()}, groups[0]["group_id"]))
     return out
 

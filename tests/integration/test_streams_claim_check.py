@@ -8,10 +8,13 @@ import json
 import uuid
 
 import pytest
+from confluent_kafka.admin import AdminClient
+from minio.commonconfig import ENABLED, Filter
+from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 from test_learner_process import make_batch, make_loop, save_tiny_model, weight_events
 from typer.testing import CliRunner
 
-from pipeline import replay_cmd
+from pipeline import infra_cmd, replay_cmd
 from pipeline.bench_streams import BenchRun, WorkerProcess, feed_windowed
 from pipeline.replay import read_topic, store_fetch
 from schemas import codec as codec_module
@@ -91,3 +94,56 @@ def test_learner_trains_a_claim_checked_batch_and_refuses_a_tampered_one(infra, 
     with pytest.raises(objectstore.PayloadMismatch, match="sha256"):
         loop.loop(state)
     assert [e["batch_id"] for e in weight_events(infra, run, 2)] == [None, batches[0]["batch_id"]]
+
+
+def test_replay_reports_a_batch_whose_stored_payload_was_deleted_and_writes_it_without_items(infra, tmp_path):
+    run = f"expired-claim-{uuid.uuid4().hex[:10]}"
+    mc = objectstore.client(infra.object_store)
+    pointers = []
+    for b in (make_batch(run, 0), make_batch(run, 1)):
+        data = codec_module.codec().encode("batch", b)
+        key = payload_key(run, b["batch_id"])
+        objectstore.put_bytes(mc, topics.PAYLOADS_BUCKET, key, data)
+        pointers.append(objectstore.claim_check(b, objectstore.uri(topics.PAYLOADS_BUCKET, key), data, {"items": []}))
+    mc.remove_object(topics.PAYLOADS_BUCKET, payload_key(run, pointers[0]["batch_id"]))  # as its expiry would
+    with EventProducer(infra.kafka) as producer:
+        for p in pointers:
+            producer.send(topics.BATCHES, p, key=p["batch_id"])
+
+    out = tmp_path / "batches.jsonl"
+    result = CliRunner().invoke(replay_cmd.app, ["batches", "--run", run, "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout)
+    assert summary["rows"] == {str(out): 2}
+    assert [(m["batch_id"], m["uri"]) for m in summary["missing_payloads"]] == [
+        (pointers[0]["batch_id"], pointers[0]["payload_uri"])]
+    assert f"batch {pointers[0]['batch_id']}: {pointers[0]['payload_uri']} no longer exists" in result.stderr
+    gone, kept = sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["index"])
+    assert (gone["num_items"], gone["item_trajectory_ids"], gone["group_ids"]) == (0, [], pointers[0]["group_ids"])
+    assert gone["payload_uri"] == pointers[0]["payload_uri"]
+    assert kept["num_items"] == 4 and kept["payload_uri"] == pointers[1]["payload_uri"]
+
+
+def test_infra_init_expires_payloads_with_the_batches_retention_idempotently(infra):
+    mc = objectstore.client(infra.object_store)
+    days = infra_cmd.expiration_days(infra_cmd.topic_retention_ms(
+        AdminClient(infra.kafka.as_confluent()), topics.BATCHES))
+    rules = mc.get_bucket_lifecycle(topics.PAYLOADS_BUCKET).rules
+    assert [(r.rule_id, r.expiration.days) for r in rules] == [(infra_cmd.EXPIRY_RULE_ID, days)]
+    assert infra_cmd.ensure_expiration(mc, topics.PAYLOADS_BUCKET, days) is False
+
+    bucket = f"expiry-{uuid.uuid4().hex[:10]}"
+    mc.make_bucket(bucket)
+    try:
+        other = Rule(ENABLED, rule_filter=Filter(prefix="tmp/"), rule_id="someone-else",
+                     expiration=Expiration(days=1))
+        mc.set_bucket_lifecycle(bucket, LifecycleConfig([other]))
+        assert infra_cmd.ensure_expiration(mc, bucket, 3) is True
+        assert infra_cmd.ensure_expiration(mc, bucket, 3) is False
+        assert infra_cmd.ensure_expiration(mc, bucket, 8) is True
+        assert sorted((r.rule_id, r.expiration.days) for r in mc.get_bucket_lifecycle(bucket).rules) == [
+            (infra_cmd.EXPIRY_RULE_ID, 8), ("someone-else", 1)]
+        assert infra_cmd.ensure_expiration(mc, bucket, None) is True
+        assert [r.rule_id for r in mc.get_bucket_lifecycle(bucket).rules] == ["someone-else"]
+    finally:
+        mc.remove_bucket(bucket)

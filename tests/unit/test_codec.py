@@ -53,6 +53,12 @@ def test_event_written_with_the_previous_trajectory_schema_still_decodes():
     assert codec().decode(data, "trajectory") == {**old, "score": None, "metrics": {}}
 
 
+def test_heartbeat_written_before_heartbeats_carried_a_run_decodes_with_an_empty_run():
+    old = {k: v for k, v in samples.engine_heartbeat().items() if k != "run"}
+    data = codec().encode("engine_heartbeat", old, schema_version=1)
+    assert codec().decode(data, "engine_heartbeat") == {**old, "run": ""}
+
+
 def test_every_history_schema_differs_from_the_current_one_only_by_added_fields_with_defaults():
     for path in HISTORY_DIR.glob("*.avsc"):
         event_type = path.name.split(".")[0]

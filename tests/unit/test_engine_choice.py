@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from env_workers.engines import EngineState, choose_engine, turn_seed
+import asyncio
+
+from env_workers.engines import EnginePool, EngineState, choose_engine, turn_seed
+from schemas import samples
 
 NOW, TIMEOUT = 100_000, 10_000
 
@@ -45,3 +48,23 @@ def test_static_engines_never_go_stale():
 def test_turn_seed_is_stable_per_trajectory_and_turn():
     assert turn_seed("t1", 100) == turn_seed("t1", 100) != turn_seed("t1", 101)
     assert 0 <= turn_seed("t2", 5) < 2**31
+
+
+def _pool(run: str | None) -> EnginePool:
+    return EnginePool(stop_token_ids=[0], clock_ms=lambda: NOW, heartbeat_timeout_s=10, failure_backoff_s=1,
+                      timeout_s=1, run=run)
+
+
+def test_pool_of_a_run_ignores_heartbeats_of_other_runs_but_takes_those_naming_none():
+    pool = _pool("r1")
+    for engine_id, run in (("mine", "r1"), ("theirs", "r2"), ("old", "")):
+        pool.update({**samples.engine_heartbeat(), "engine_id": engine_id, "run": run, "sent_at_ms": NOW})
+    assert sorted(pool.states) == ["mine", "old"]
+    asyncio.run(pool.aclose())
+
+
+def test_pool_without_a_run_takes_every_heartbeat():
+    pool = _pool(None)
+    pool.update({**samples.engine_heartbeat(), "engine_id": "theirs", "run": "r2", "sent_at_ms": NOW})
+    assert list(pool.states) == ["theirs"]
+    asyncio.run(pool.aclose())

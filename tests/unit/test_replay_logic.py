@@ -151,6 +151,17 @@ def test_report_is_json_serializable_and_says_ok(run):
     assert data["checks"][0]["name"] == "trajectory_ids_unique"
 
 
+def test_batch_whose_stored_payload_expired_is_not_checked_but_its_groups_count_as_batched(run):
+    batch = value(run, topics.BATCHES, 0)
+    batch.update(items=[], payload_uri=f"s3://rollstream-payloads/{RUN}/batches/{batch['batch_id']}.avro",
+                 payload_sha256="0" * 64, payload_bytes=1)
+    report = verify(run, run=RUN)
+    assert report.ok, [(c.name, c.mismatches) for c in report.checks if c.mismatches]
+    assert report.not_checked == {"batches_without_payload": 1}
+    assert {c.name: c.checked for c in report.checks}["batch_members"] == 1  # the other batch's one group
+    assert report.pending_groups == ["g3"]
+
+
 def test_wrong_grpo_advantage_is_reported_with_its_ids(run):
     value(run, topics.GROUPS, 0)["members"][1]["advantage"] += 0.5
     found = failing(run)

@@ -5,7 +5,7 @@ import pytest
 from schemas.codec import encode
 from streams.routing import (
     REASON_MIXED, REASON_NO_STALE_ENGINE, REASON_RATIO_ZERO, REASON_STALE_BEHIND, REASON_VALIDATION,
-    PoolState, fold_heartbeat, plan_turn_pools, pool_states, routing_seed, stale_schedule, task_event,
+    PoolState, fold_heartbeat, plan_turn_pools, pool_states, routing_seed, serves_run, stale_schedule, task_event,
 )
 
 STALE_OK = PoolState(engines=("s0",), loaded_version=25)
@@ -17,10 +17,17 @@ def plan(member=0, stale_pool=STALE_OK, validation=False, learner_version=30, ma
                            learner_version=learner_version, stale_step=25)
 
 
-def heartbeat(engine_id, pool, version, sent, healthy=True):
+def heartbeat(engine_id, pool, version, sent, healthy=True, run="run"):
     return {"engine_id": engine_id, "pool": pool, "url": f"http://{engine_id}", "model": "m",
             "loaded_version": version, "queue_depth": 0, "running": 0, "healthy": healthy,
-            "detail": "", "sent_at_ms": sent}
+            "detail": "", "sent_at_ms": sent, "run": run}
+
+
+def test_router_of_a_run_takes_its_own_engines_and_those_naming_no_run_only():
+    assert serves_run(heartbeat("s0", "stale", 0, 0, run="run"), "run")
+    assert serves_run(heartbeat("s0", "stale", 0, 0, run=""), "run")
+    assert not serves_run(heartbeat("s0", "stale", 0, 0, run="other"), "run")
+    assert serves_run(heartbeat("s0", "stale", 0, 0, run="other"), None)
 
 
 def test_plan_is_reproducible_from_run_group_and_member():

@@ -175,6 +175,66 @@ def test_batch_above_the_limit_becomes_a_claim_check_that_resolves_to_the_inline
     assert uploads == [] and codec().decode(at_limit[2], "batch") == whole
 
 
+def test_failed_store_backoff_doubles_per_failure_up_to_its_cap():
+    w = WorkerSettings(store_backoff_s=5, store_backoff_max_s=300)
+    assert [bat.store_retry_at(n, T0, w) - T0 for n in (1, 2, 3, 7, 1000)] == [5000, 10000, 20000, 300000, 300000]
+    assert bat.store_due({"retry_at_ms": T0 + 5000}, T0 + 4999) is False
+    assert bat.store_due({"retry_at_ms": T0 + 5000}, T0 + 5000) is True
+    assert bat.store_due(bat.empty_state(), T0) is True
+    assert bat.store_due({"learner_version": None, "answered": None, "index": 0, "ready": []}, T0) is True
+
+
+def _fail_store(tables, data, pointer, now_ms, reason="MaxRetryError: connection refused"):
+    view = bat.staged(tables)
+    outs = bat.on_store_failure(view, data, pointer, now_ms, WorkerSettings(), reason)
+    for table in (view.state, view.ready, view.batched):
+        table.apply()
+    return outs
+
+
+def test_batch_whose_store_failed_keeps_its_groups_ready_and_is_cut_again_after_the_backoff():
+    claim = bat.ClaimCheck("payloads", 1)  # every batch is claim-checked
+    tables = bat.BatcherTables({}, {}, {})
+    data = _group("g0")
+    [failed], [_] = bat.on_batcher_event(bat.staged(tables), data, T0, S, claim)
+    [(topic, metric)] = _decode_outs(_fail_store(tables, data, failed[2], T0))
+    failed_batch = codec().decode(failed[2], "batch")
+    assert (topic, metric["name"], metric["value"]) == (topics.METRICS, bat.STORE_FAILED_METRIC, 1.0)
+    assert metric["labels"] == {"batch_id": failed_batch["batch_id"], "index": "0", "consecutive_failures": "1",
+                                "retry_in_s": "5", "reason": "MaxRetryError: connection refused"}
+    assert (list(tables.ready), tables.batched) == (["g0"], {})
+    state = tables.state["r"]
+    assert (state["index"], state["answered"], state["store_failures"], state["retry_at_ms"]) == (0, None, 1, T0 + 5000)
+    # nothing is cut while the backoff runs, whatever arrives
+    assert bat.on_batcher_event(tables, bat.TICK, T0 + 4999, S, claim) == ([], [])
+    assert bat.on_batcher_event(tables, codec().encode("weight_version", weights("r", 0)), T0 + 4999, S, claim) == \
+        ([], [])
+    # then a tick cuts the same groups again: the same batch id, sent once it is stored
+    view = bat.staged(tables)
+    [retried], [(_, key, _)] = bat.on_batcher_event(view, bat.TICK, T0 + 5000, S, claim)
+    again = codec().decode(retried[2], "batch")
+    assert (again["batch_id"], again["index"], again["group_ids"]) == (failed_batch["batch_id"], 0, ["g0"])
+    assert key == bat.payload_key("r", again["batch_id"])
+    for table in (view.state, view.ready, view.batched):
+        table.apply()
+    assert (tables.state["r"]["store_failures"], tables.state["r"]["retry_at_ms"]) == (0, None)
+    assert tables.batched == {"g0": again["batch_id"]} and bat.on_batcher_event(tables, bat.TICK, T0 + 9999, S,
+                                                                                 claim) == ([], [])
+
+
+def test_repeated_store_failures_back_off_longer_and_groups_arriving_meanwhile_wait():
+    claim = bat.ClaimCheck("payloads", 1)
+    tables = bat.BatcherTables({}, {}, {})
+    [first], _ = bat.on_batcher_event(bat.staged(tables), _group("g0"), T0, S, claim)
+    _fail_store(tables, _group("g0"), first[2], T0)
+    assert bat.on_batcher_event(tables, _group("g1"), T0 + 1000, S, claim) == ([], [])
+    [second], _ = bat.on_batcher_event(bat.staged(tables), bat.TICK, T0 + 5000, S, claim)
+    assert codec().decode(second[2], "batch")["group_ids"] == ["g0", "g1"]  # every ready group, as any cut
+    [(_, metric)] = _decode_outs(_fail_store(tables, bat.TICK, second[2], T0 + 5000))
+    assert metric["labels"]["consecutive_failures"] == "2" and tables.state["r"]["retry_at_ms"] == T0 + 15000
+    assert sorted(tables.ready) == ["g0", "g1"] and tables.state["r"]["index"] == 0
+
+
 def test_claim_check_whose_object_differs_is_refused():
     whole = samples.batch()
     data = codec().encode("batch", whole)
