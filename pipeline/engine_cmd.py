@@ -34,9 +34,11 @@ from pipeline.engine.heartbeat import Heartbeat
 from pipeline.engine.server import INITIAL_VERSION_ENV, vllm_command
 from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load
 from schemas import objectstore, topics
-from schemas.bus import ConsumedEvent, EventConsumer, EventProducer
+from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
 
 app = typer.Typer(help="Serve a policy with vLLM, with live weight updates and heartbeats.")
+# How long a stopping engine waits for its last heartbeat to be acknowledged (the broker may be gone).
+STOP_FLUSH_S = 10.0
 
 
 class EngineSettings(BaseModel):
@@ -204,13 +206,19 @@ def engine(
         typer.echo(f"rollstream engine: {error}", err=True)
         raise typer.Exit(code=1) from None
     finally:
+        # The server first: it must not outlive us whatever the bus does (a flush to a broker that is
+        # gone blocks for minutes and then raises; whoever stops us kills us before that, and vLLM,
+        # in its own session, would be left serving).
+        _stop_server(server)
         if heartbeat is not None:
             heartbeat.stop()
-        if consumer is not None:
-            consumer.close()
-        if producer is not None:
-            producer.flush()
-        _stop_server(server)
+        try:
+            if consumer is not None:
+                consumer.close()
+            if producer is not None:
+                producer.flush(timeout=STOP_FLUSH_S)
+        except DeliveryError as error:
+            _log(f"{engine_id}: last events not delivered while stopping: {error}")
     if not stopping["flag"]:
         raise typer.Exit(code=1)
 

@@ -350,3 +350,43 @@ def test_engine_command_rejects_a_model_path_without_a_checkpoint(tmp_path):
     result = CliRunner().invoke(engine_app, ["--pool", "current", "--model", str(tmp_path)])
     assert result.exit_code == 2
     assert "is not a Hugging Face checkpoint" in result.output
+
+
+def test_an_engine_whose_broker_is_gone_still_takes_its_vllm_server_down_when_stopped(tmp_path):
+    # The supervisor used to flush its last heartbeats before stopping vLLM: with no broker that
+    # blocks for minutes, whoever stops it kills it first, and vLLM (in its own session) kept serving.
+    model_dir = tmp_path / "policy"
+    init_model(TINY, model_dir)
+    port = free_port()
+    env = {**os.environ, "ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}"}  # nothing listens
+    command = [sys.executable, "-m", "pipeline.engine_cmd", "--pool", "current", "--model", str(model_dir),
+               "--port", str(port), "--max-model-len", "1024", "--work-dir", str(tmp_path / "engines")]
+    with open(tmp_path / "engine.log", "wb") as log:
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                   start_new_session=True)
+    server_processes: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert process.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "engine not serving after 300 s"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        time.sleep(3)  # its heartbeats queue up for a broker that never answers
+        server_processes = psutil.Process(process.pid).children(recursive=True)
+        assert server_processes, "the supervisor runs vLLM as its child"
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)  # as launch.stop_process_group does, with a short patience
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+    _, alive = psutil.wait_procs(server_processes, timeout=30)
+    for leftover in alive:
+        leftover.kill()
+    assert not alive, f"left running after the engine stopped: {[p.pid for p in alive]}"
