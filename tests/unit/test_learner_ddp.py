@@ -84,6 +84,9 @@ def _worker(rank: int, port: int, out: str) -> None:
         for case, (parallelism, resumed) in CASES.items():  # one process group for all: spawning costs more
             _train(rank, LearnerSettings(**{**SETTINGS.model_dump(), "parallelism": parallelism}), resumed,
                    Path(out) / f"{case}.pt")
+        # Neither rank tears Gloo down while the other may still be in a collective (a clean-clone CI
+        # run once ended rank 0 with SIGABRT, "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
