@@ -42,7 +42,7 @@ from pipeline.model_init import PolicyModelSettings, init_model
 from schemas import objectstore, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.weight_layout import MANIFEST_FILE, plan_buckets
-from pipeline.engine.launch import free_port
+from pipeline.engine.launch import free_port, stop_process_group
 
 pytestmark = pytest.mark.integration
 
@@ -380,12 +380,7 @@ def test_an_engine_whose_broker_is_gone_still_takes_its_vllm_server_down_when_st
         server_processes = psutil.Process(process.pid).children(recursive=True)
         assert server_processes, "the supervisor runs vLLM as its child"
     finally:
-        os.killpg(process.pid, signal.SIGTERM)  # as launch.stop_process_group does, with a short patience
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_process_group(process, timeout_s=20)  # as the launcher stops an engine, with a short patience
     _, alive = psutil.wait_procs(server_processes, timeout=30)
     for leftover in alive:
         leftover.kill()
