@@ -79,7 +79,7 @@ def _broadcaster(current: str, stale: str, host: str, port: int, settings: Learn
     for offset, (pool, urls) in enumerate((("current", current), ("stale", stale))):
         urls_list = [u.strip() for u in urls.split(",") if u.strip()]
         if urls_list:
-            pools[pool] = PoolBroadcaster(pool, urls_list, host, port + offset, settings.bucket_size_bytes,
+            pools[pool] = PoolBroadcaster(pool, urls_list, host, port + offset if port else 0, settings.bucket_size_bytes,
                                           backend="nccl" if torch.cuda.is_available() else "gloo")
     if not pools:
         return None
@@ -103,7 +103,9 @@ def learner(
     broadcast_stale: str = typer.Option("", "--broadcast-stale",
                                         help="Comma-separated engine URLs of the stale pool: every --stale-step-th version."),
     broadcast_host: str = typer.Option("127.0.0.1", "--broadcast-host", help="Address the engines reach this learner at."),
-    broadcast_port: int = typer.Option(29555, "--broadcast-port", help="First port of the weight-sync groups (current; stale +1)."),
+    broadcast_port: int = typer.Option(0, "--broadcast-port", min=0,
+                                       help="First port of the weight-sync groups (current; stale +1); 0 = free ports "
+                                            "picked as each group forms."),
     stale_step: int | None = typer.Option(None, "--stale-step", help="Versions between stale-pool refreshes (default: settings, AgentRL's 25)."),
     config: Path | None = typer.Option(None, "--config", help="YAML configuration file."),
     settings_file: Path | None = typer.Option(None, "--settings", help="LearnerSettings as JSON (what `rollstream up` "

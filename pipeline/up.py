@@ -295,7 +295,10 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
         stack.start(streams_child(cfg, run, run_dir, free_port()))
         for child in env_worker_children(cfg, run, run_dir, model_dir, urls, cfg.envs):
             stack.start(child)
-        stack.start(learner_child(cfg, run, run_dir, model_dir, urls, free_port()))
+        # Port 0: the learner picks free ports as each weight-sync group forms. A port picked here stayed
+        # unbound for a minute and its neighbour (the stale pool's) was never checked; one was taken
+        # (make run stalled: the stale engine sat in a join that could not complete).
+        stack.start(learner_child(cfg, run, run_dir, model_dir, urls, 0))
         stack.start(dispatcher_child(cfg, run))
         say(f"started: {', '.join(c.child.name for c in stack.children)}; training for {cfg.max_steps} steps")
         restart = EngineRestarter(cfg, run, run_dir, model_dir, say)

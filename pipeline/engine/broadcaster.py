@@ -23,6 +23,7 @@ import torch
 
 from learner.broadcast import send_buckets
 from learner.manifest import specs_of
+from pipeline.engine.launch import free_port
 from pipeline.engine.updates import EngineControl, weight_sync_group
 from schemas.weight_layout import plan_buckets
 
@@ -54,9 +55,14 @@ class PoolBroadcaster:
     urls: Sequence[str]
     host: str
     port: int
+    """Port of the group's rendezvous on `host`; 0 picks a free one when the group is formed (a port picked
+    earlier can be taken meanwhile, e.g. as the local port of an outgoing connection)."""
     bucket_size_bytes: int
     backend: str = "gloo"
     timeout_s: float = 300.0
+    join_timeout_s: float = 60.0
+    """How long the group's rendezvous may take. An engine generates nothing while it waits to join, so
+    when the learner's side fails (its port taken), the engine must give up soon, not after minutes."""
     _group: Any = field(default=None, init=False, repr=False)
     broken: str | None = field(default=None, init=False)
 
@@ -73,18 +79,22 @@ class PoolBroadcaster:
         if down:
             raise RuntimeError(f"engines of the {self.pool} pool do not answer: {'; '.join(down)}")
         world = len(self.urls) + 1
+        port = self.port or free_port(self.host)
         threads, results = _in_threads([
-            (lambda c=c, r=r: c.join(self.host, self.port, rank=r, world_size=world, backend=self.backend))
+            (lambda c=c, r=r: c.join(self.host, port, rank=r, world_size=world, backend=self.backend,
+                                     timeout_s=self.join_timeout_s))
             for r, c in enumerate(controls, start=1)])
-        self._group = weight_sync_group(self.host, self.port, rank=0, world_size=world, backend=self.backend,
-                                        timeout_s=self.timeout_s)
-        for t in threads:
-            t.join(self.timeout_s)
+        try:
+            self._group = weight_sync_group(self.host, port, rank=0, world_size=world, backend=self.backend,
+                                            timeout_s=self.join_timeout_s)
+        finally:  # the engines' joins end too (at most join_timeout_s) before the pool is given up
+            for t in threads:
+                t.join(self.join_timeout_s + 30.0)
         failed = [f"{u}: {r}" for u, r in zip(self.urls, results) if isinstance(r, Exception)]
         if failed:
             raise RuntimeError(f"engines of the {self.pool} pool did not join: {'; '.join(failed)}")
         log.info("%s pool: weight-sync group of %d engines on %s:%d (%s)", self.pool, len(self.urls),
-                 self.host, self.port, self.backend)
+                 self.host, port, self.backend)
 
     def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         """Broadcasts `tensors` as `version` to every engine of the pool; returns when all have loaded it."""

@@ -53,10 +53,14 @@ class WeightUpdateExtension:
         # Always: lm_head's prepacked copy was made from the old embedding.
         lm_head.quant_method.process_weights_after_loading(lm_head)
 
-    def rollstream_join(self, host: str, port: int, rank: int, world_size: int, backend: str) -> dict[str, Any]:
-        """Joins the weight-sync group; blocks until every rank has joined."""
+    def rollstream_join(self, host: str, port: int, rank: int, world_size: int, backend: str,
+                        timeout_s: float = 300.0) -> dict[str, Any]:
+        """Joins the weight-sync group; blocks until every rank has joined, at most `timeout_s`.
+
+        The worker serves no request while it waits, so the learner asks for a short timeout."""
         try:
-            self._rollstream_group = weight_sync_group(host, port, rank=rank, world_size=world_size, backend=backend)
+            self._rollstream_group = weight_sync_group(host, port, rank=rank, world_size=world_size, backend=backend,
+                                                       timeout_s=timeout_s)
         except Exception as error:  # noqa: BLE001 - reported to the caller, the engine keeps serving
             return {"ok": False, "error": f"joining the weight-sync group failed: {error!r}"}
         return {"ok": True, "rank": rank, "world_size": world_size}

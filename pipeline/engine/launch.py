@@ -27,9 +27,10 @@ def stop_process_group(process: subprocess.Popen, timeout_s: float) -> int:
     return process.returncode
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on at `host` now (the OS's choice); the caller binds it soon after."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

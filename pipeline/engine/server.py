@@ -154,7 +154,7 @@ class WeightVersionMiddleware:
         if route == "join":
             # Joining loads nothing, so it does not close the gate; it blocks until all ranks join.
             result = await engine.collective_rpc("rollstream_join", kwargs={
-                k: body[k] for k in ("host", "port", "rank", "world_size", "backend")})
+                k: body[k] for k in ("host", "port", "rank", "world_size", "backend", "timeout_s") if k in body})
             await self._answer(send, state, result[0])
             return
         if route == "load":

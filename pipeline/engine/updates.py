@@ -128,10 +128,12 @@ class EngineControl:
         """Loads a verified version directory (staged path)."""
         return self._post("/rollstream/load", {"version": version, "path": str(directory)})
 
-    def join(self, host: str, port: int, *, rank: int, world_size: int, backend: str = "gloo") -> dict[str, Any]:
-        """Makes the engine's worker join the weight-sync group as `rank`."""
+    def join(self, host: str, port: int, *, rank: int, world_size: int, backend: str = "gloo",
+             timeout_s: float = 300.0) -> dict[str, Any]:
+        """Makes the engine's worker join the weight-sync group as `rank`, waiting at most `timeout_s`
+        for the other ranks (the engine generates nothing meanwhile)."""
         return self._post("/rollstream/join", {"host": host, "port": port, "rank": rank,
-                                               "world_size": world_size, "backend": backend})
+                                               "world_size": world_size, "backend": backend, "timeout_s": timeout_s})
 
     def receive(self, version: int, specs: Sequence[TensorSpec], bucket_size_bytes: int, *, src: int = 0) -> dict[str, Any]:
         """Receives `version` by broadcast from group rank `src` (the sender calls send_buckets

@@ -332,6 +332,20 @@ def test_engine_that_stops_answering_is_marked_unhealthy_within_seconds(engine):
     assert _heartbeat(engine, lambda b: b["healthy"], 20)["loaded_version"] == 2
 
 
+def test_a_join_whose_rendezvous_never_forms_gives_up_within_its_timeout_and_the_engine_serves_again(engine):
+    # make run once stalled here: the learner could not listen on the stale pool's port, and the
+    # engine's worker sat in the join for its default 300 s (then retried), generating nothing.
+    port = free_port()  # nobody listens on it
+    started = time.monotonic()
+    with pytest.raises(UpdateRefused, match="joining the weight-sync group failed"):
+        EngineControl(engine.url).join("127.0.0.1", port, rank=1, world_size=2, timeout_s=5.0)
+    gave_up_s = time.monotonic() - started
+    print(f"\njoin without a rendezvous gave up after {gave_up_s:.1f} s", file=sys.stderr)
+    assert gave_up_s < 60
+    ids, version = _engine_greedy(engine, PROMPT, 8)
+    assert len(ids) == 8 and version == _state(engine)["version"]
+
+
 def test_stale_pool_loads_only_every_stale_step_th_version():
     assert [v for v in range(1, 60) if should_load("stale", v, 0, 25)] == [25, 50]
     assert [v for v in range(1, 5) if should_load("current", v, 2, 25)] == [3, 4]
