@@ -70,9 +70,22 @@ def make_task(split: str, index: int, seed: int, operands: tuple[int, int] = (2,
 
 
 def generate(split: str, settings: EnvSettings) -> list[dict[str, Any]]:
-    count = {"train": settings.calc_train_tasks, "dev": settings.calc_dev_tasks}[split]
-    return [make_task(split, index, settings.calc_seed, settings.calc_operands, settings.calc_operations)
-            for index in range(count)]
+    """The split's tasks; `rl` skips any expression that a `train` task (a demonstration's source) also has."""
+    def task(split: str, index: int) -> dict[str, Any]:
+        return make_task(split, index, settings.calc_seed, settings.calc_operands, settings.calc_operations)
+
+    if split != "rl":
+        count = {"train": settings.calc_train_tasks, "dev": settings.calc_dev_tasks}[split]
+        return [task(split, index) for index in range(count)]
+    demonstrated = {expression(t) for t in generate("train", settings)}
+    tasks: list[dict[str, Any]] = []
+    index = 0
+    while len(tasks) < settings.calc_rl_tasks:
+        candidate = task("rl", index)
+        if expression(candidate) not in demonstrated:
+            tasks.append(candidate)
+        index += 1
+    return tasks
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -120,5 +133,5 @@ def noop(task: Mapping[str, Any]) -> Policy:
     return scripted([assistant_call("submit", {"answer": 0})])
 
 
-FAMILY = Family(name="calc", make=make, load=load, splits={"train": (), "dev": ()},
+FAMILY = Family(name="calc", make=make, load=load, splits={"train": (), "rl": (), "dev": ()},
                 golden=golden, noop=noop, generate=generate)

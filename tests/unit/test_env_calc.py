@@ -20,11 +20,21 @@ def _check(split: str) -> dict[str, Any]:
     return asyncio.run(check_family(family, family.make(SETTINGS), registry.samples("calc", split, SETTINGS)))
 
 
-def test_golden_passes_every_dev_and_train_task_and_noop_none() -> None:
+def test_golden_passes_every_task_of_every_split_and_noop_none() -> None:
     assert _check("dev") == {"family": "calc", "tasks": 200, "golden_pass": 200, "noop_pass": 0, "errors": 0,
                              "failing_ids": []}
     train = _check("train")
     assert (train["tasks"], train["golden_pass"], train["noop_pass"], train["errors"]) == (5000, 5000, 0, 0)
+    rl = _check("rl")
+    assert (rl["tasks"], rl["golden_pass"], rl["noop_pass"], rl["errors"]) == (2000, 2000, 0, 0)
+
+
+def test_the_rl_split_shares_no_task_with_the_demonstrated_train_split() -> None:
+    # RL after SFT trains on `rl`; a task the policy was fine-tuned on would give a group of equal rewards.
+    def expressions(split: str) -> set[str]:
+        return {calc.expression(task) for task in registry.samples("calc", split, SETTINGS)}
+
+    assert not expressions("rl") & expressions("train")
 
 
 def test_tasks_are_deterministic_by_seed_split_and_index() -> None:

@@ -342,7 +342,7 @@ def test_streams_worker_rejects_an_unknown_component_in_one_line():
 def test_dispatch_rejects_an_unknown_split_in_one_line():
     result = CliRunner().invoke(dispatch_cmd.app, ["--run", "r", "--families", "calc:nope", "--max-groups", "1"])
     assert result.exit_code == 1
-    assert result.stderr.strip().splitlines() == ["rollstream dispatch: family 'calc' has no split 'nope'; splits: dev, train"]
+    assert result.stderr.strip().splitlines() == ["rollstream dispatch: family 'calc' has no split 'nope'; splits: dev, rl, train"]
 
 
 class _Buffer:
