@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import PositiveInt, BaseModel, ConfigDict, Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from env_workers.envs.base import EnvSettings
@@ -76,6 +76,8 @@ class MixSettings(BaseModel):
 
     families: tuple[str, ...] = ("os", "db", "kg", "alfworld", "webshop")
     """Training families, interleaved round-robin, as FAMILY or FAMILY:SPLIT (AgentRL: its five tasks)."""
+    weights: dict[str, PositiveInt] = {}
+    """Groups a family contributes per turn of the round-robin, FAMILY: N (AgentRL: 1 each, the default)."""
     val_families: tuple[str, ...] = ("os", "db", "kg", "alfworld", "webshop")
     """Validation families, FAMILY or FAMILY:SPLIT; a family without a split uses its held-out split."""
     val_samples: int | dict[str, int] | None = None

@@ -44,9 +44,15 @@ def parse_limit(text: str | None) -> int | dict[str, int] | None:
 
 
 def parse_sources(spec: str, default_split: str | dict[str, str],
-                  limit: int | dict[str, int] | None = None) -> tuple[TaskSource, ...]:
+                  limit: int | dict[str, int] | None = None,
+                  weights: dict[str, int] | None = None) -> tuple[TaskSource, ...]:
     """"calc,db:standard" -> one TaskSource per family (split after ':', else default_split, one
-    name or one per family), with the split's sample count from the environment registry, at most `limit`."""
+    name or one per family), with the split's sample count from the environment registry, at most `limit`,
+    and its round-robin weight from `weights` (default 1)."""
+    weights = weights or {}
+    unknown = sorted(set(weights) - {item.strip().partition(":")[0] for item in spec.split(",")})
+    if unknown:
+        _fail(f"weights name families that are not trained: {', '.join(unknown)}")
     sources = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -63,13 +69,22 @@ def parse_sources(spec: str, default_split: str | dict[str, str],
         if count == 0:
             _fail(f"family {name!r} split {split!r} has no samples")
         cap = limit.get(name) if isinstance(limit, dict) else limit
-        sources.append(TaskSource(task=name, split=split, count=min(count, cap) if cap else count))
+        sources.append(TaskSource(task=name, split=split, count=min(count, cap) if cap else count,
+                                  weight=weights.get(name, 1)))
     return tuple(sources)
+
+
+def _weights(text: str) -> dict[str, int]:
+    parsed = parse_limit(text.replace(" ", "")) if text.strip() else {}
+    if isinstance(parsed, int):
+        _fail(f"--weights are FAMILY=N,...; got {text!r}")
+    return parsed or {}
 
 
 def dispatch(
     run: str = typer.Option(..., help="Run id stamped on every request."),
     families: str = typer.Option(..., help="Training families, interleaved in this order; FAMILY[:SPLIT]."),
+    weights: str = typer.Option("", help="Groups per round-robin turn, FAMILY=N,... (default 1 each, as AgentRL)."),
     max_groups: int = typer.Option(..., min=1, help="Stop once the run holds this many training groups."),
     split: str = typer.Option("", help="Split of a family given without one (default: the family's training split)."),
     val_families: str = typer.Option("", help="Validation families, FAMILY[:SPLIT] (default: the family's held-out split)."),
@@ -94,7 +109,7 @@ def dispatch(
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     try:
         settings = DispatcherSettings(
-            sources=parse_sources(families, split or TRAINING_SPLITS),
+            sources=parse_sources(families, split or TRAINING_SPLITS, weights=_weights(weights)),
             validation_sources=parse_sources(val_families, HELD_OUT_SPLITS, parse_limit(val_samples)) if val_families else (),
             group_size=group_size, batch_size=batch_size, max_in_flight_groups=max_in_flight,
             val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train)

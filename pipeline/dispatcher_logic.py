@@ -1,11 +1,11 @@
 """The dispatcher's pure planning: which groups to request next, how many, and when to validate.
 
 Order (AgentRL's interleave + cycle): the configured training sources (task family, split,
-sample count) take turns round-robin, one group each; each source cycles through its own samples
-independently, and a source's `epoch` counts its completed passes. So global position k maps to
-source k % S, the j = k // S-th group of that source: sample j % count, epoch j // count. Because
-this mapping is a pure function of k, the cursor is just a position, and a restart rebuilds it
-from what tasks.requested already holds.
+sample count) take turns round-robin, `weight` groups each per turn (AgentRL: one each); each
+source cycles through its own samples independently, and a source's `epoch` counts its completed
+passes. With weights all 1, global position k maps to source k % S, the j = k // S-th group of
+that source: sample j % count, epoch j // count. Because this mapping is a pure function of k, the
+cursor is just a position, and a restart rebuilds it from what tasks.requested already holds.
 
 Flow control: at most max_in_flight groups may be dispatched and not yet in a trained batch
 (AgentRL's queue size, 2 x batch_size groups), which bounds off-policy drift without a barrier.
@@ -37,6 +37,8 @@ class TaskSource(BaseModel):
     """Split of the family's data, e.g. train, dev."""
     count: int = Field(ge=1)
     """Number of samples in that split (sample indices 0..count-1)."""
+    weight: int = Field(1, ge=1)
+    """Groups it contributes per turn of the round-robin (AgentRL: 1 for every task)."""
 
 
 class DispatcherSettings(BaseModel):
@@ -104,18 +106,25 @@ class Cursor:
 
 def slot_at(sources: Sequence[TaskSource], position: int) -> Slot:
     """The sample at global interleave position `position`."""
-    source = sources[position % len(sources)]
-    j = position // len(sources)
-    return Slot(source.task, source.split, j % source.count, j // source.count)
+    turn, offset = divmod(position, sum(source.weight for source in sources))
+    for source in sources:
+        if offset < source.weight:
+            j = turn * source.weight + offset  # the source's j-th group
+            return Slot(source.task, source.split, j % source.count, j // source.count)
+        offset -= source.weight
+    raise AssertionError("unreachable: offset < the sum of the weights")
 
 
 def position_of(sources: Sequence[TaskSource], slot: Slot) -> int:
     """Inverse of slot_at; ValueError when the slot does not belong to the training sources."""
-    for f, source in enumerate(sources):
+    before = 0  # positions of the other sources ahead of this one in each turn
+    for source in sources:
         if (source.task, source.split) == (slot.task, slot.split):
             if not 0 <= slot.sample_index < source.count or slot.epoch < 0:
                 raise ValueError(f"{slot} is outside {source.task}/{source.split} (count {source.count})")
-            return (slot.epoch * source.count + slot.sample_index) * len(sources) + f
+            turn, offset = divmod(slot.epoch * source.count + slot.sample_index, source.weight)
+            return turn * sum(s.weight for s in sources) + before + offset
+        before += source.weight
     raise ValueError(f"{slot.task}/{slot.split} is not a training source")
 
 

@@ -89,6 +89,8 @@ def dispatcher_child(cfg: RollstreamConfig, run: str) -> Child:
     argv = ["dispatch", "--run", run, "--families", ",".join(mix.families), "--max-groups", str(UNBOUNDED_GROUPS),
             "--group-size", str(cfg.streams.group_size), "--batch-size", str(cfg.streams.batch_size),
             "--val-interval", str(mix.val_interval), "--val-group-size", str(mix.val_group_size)]
+    if mix.weights:
+        argv += ["--weights", ",".join(f"{k}={v}" for k, v in mix.weights.items())]
     if mix.max_in_flight_groups is not None:
         argv += ["--max-in-flight", str(mix.max_in_flight_groups)]
     if mix.val_families:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
@@ -58,3 +59,11 @@ def test_kafka_settings_become_each_clients_own_names():
     assert cfg.kafka.as_confluent()["bootstrap.servers"] == cfg.kafka.bootstrap_servers
     assert cfg.kafka.as_kafka_python()["bootstrap_servers"] == cfg.kafka.bootstrap_servers.split(",")
     assert cfg.kafka.faust_broker.startswith("kafka://")
+
+
+@pytest.mark.parametrize("weights, message", [("kg=2", "weights name families that are not trained: kg"),
+                                               ("calc=0", "FAMILY=N"), ("3", "FAMILY=N")])
+def test_dispatch_refuses_weights_in_one_line_before_touching_the_broker(weights, message):
+    result = CliRunner().invoke(app, ["dispatch", "--run", "r", "--families", "calc,os", "--max-groups", "1",
+                                      "--weights", weights])
+    assert result.exit_code == 1 and message in result.output

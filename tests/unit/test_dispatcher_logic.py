@@ -33,6 +33,29 @@ def test_position_of_inverts_slot_at():
         position_of(SOURCES, Slot("os", "train", 2, 0))
 
 
+WEIGHTED = (TaskSource(task="calc", split="rl", count=5, weight=3), TaskSource(task="os", split="train", count=2),
+            TaskSource(task="db", split="train", count=3, weight=2))
+
+
+def test_a_weighted_source_takes_that_many_groups_per_turn_and_still_cycles_its_own_samples():
+    slots, _ = next_slots(WEIGHTED, Cursor(), 12)
+    assert names(slots) == [("calc", 0, 0), ("calc", 1, 0), ("calc", 2, 0), ("os", 0, 0), ("db", 0, 0), ("db", 1, 0),
+                            ("calc", 3, 0), ("calc", 4, 0), ("calc", 0, 1), ("os", 1, 0), ("db", 2, 0), ("db", 0, 1)]
+
+
+def test_position_of_inverts_slot_at_with_weights():
+    assert all(position_of(WEIGHTED, slot_at(WEIGHTED, k)) == k for k in range(300))
+    with pytest.raises(ValueError):
+        position_of(WEIGHTED, Slot("calc", "rl", 5, 0))
+
+
+def test_a_restart_with_weights_resumes_where_it_stopped():
+    first, cursor = next_slots(WEIGHTED, Cursor(), 7)
+    assert cursor_from_dispatched(WEIGHTED, first) == cursor
+    again, _ = next_slots(WEIGHTED, cursor_from_dispatched(WEIGHTED, first), 5)
+    assert again == next_slots(WEIGHTED, Cursor(), 12)[0][7:]
+
+
 def test_group_id_is_deterministic_and_distinguishes_every_field():
     base = group_id("run", "os", "train", 1, 0)
     assert base == group_id("run", "os", "train", 1, 0) and len(base) == 32

@@ -76,6 +76,8 @@ def test_dispatcher_gets_the_mix_and_the_group_and_batch_sizes_of_the_streams(cf
     assert params["families"] == ",".join(cfg.mix.families)
     assert params["group_size"] == cfg.streams.group_size and params["batch_size"] == cfg.streams.batch_size
     assert parse_limit(params["val_samples"]) == cfg.mix.val_samples
+    weighted = cfg.model_copy(update={"mix": cfg.mix.model_copy(update={"weights": {"calc": 3, "db": 2}})})
+    assert parse_limit(_parse(dispatcher_child(weighted, "r1"))["weights"]) == {"calc": 3, "db": 2}
 
 
 def test_validation_sample_counts_are_one_number_or_per_family():
