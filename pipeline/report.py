@@ -416,26 +416,41 @@ def _termination_section(train: Sequence[Event], val: Sequence[Event]) -> list[s
     return lines
 
 
-def learning_signal(groups: Sequence[Event]) -> dict[str, dict[str, int]]:
+GROUP_DROPPED_METRIC = "streams/group_dropped"  # streams/aggregator_agent.py publishes it, labels group_id/reason/task
+
+
+def learning_signal(groups: Sequence[Event], metrics: Iterable[Event] = (),
+                    validation_groups: Iterable[str] = ()) -> dict[str, dict[str, int]]:
     """Per task, training groups and how many had all-equal rewards: GRPO gives those zero advantage,
-    so a task whose groups are all equal teaches the policy nothing (e.g. it never succeeds)."""
+    so a task whose groups are all equal teaches the policy nothing (e.g. it never succeeds).
+
+    With `streams.filter_all_equal` such groups never reach `groups`: the aggregator's drop metrics
+    count them (`filtered`, included in `groups` and `all_equal`)."""
     out: dict[str, dict[str, int]] = {}
     for g in groups:
         if not g["validation"]:
-            row = out.setdefault(g["task"], {"groups": 0, "all_equal": 0})
+            row = out.setdefault(g["task"], {"groups": 0, "all_equal": 0, "filtered": 0})
             row["groups"] += 1
             row["all_equal"] += bool(g["all_equal"])
+    skip = set(validation_groups)
+    filtered = {(m["labels"]["group_id"], m["labels"].get("task", "")) for m in metrics
+                if m["name"] == GROUP_DROPPED_METRIC and m["labels"].get("reason") == "all_equal"
+                and m["labels"]["group_id"] not in skip}
+    for _, task in filtered:  # a group id once, however often the drop was published
+        row = out.setdefault(task, {"groups": 0, "all_equal": 0, "filtered": 0})
+        for key in ("groups", "all_equal", "filtered"):
+            row[key] += 1
     return dict(sorted(out.items()))
 
 
-def _training_section(train: Sequence[Event], groups: Sequence[Event], figure: str | None) -> list[str]:
+def _training_section(train: Sequence[Event], signal: Mapping[str, Mapping[str, int]],
+                      figure: str | None) -> list[str]:
     lines = ["## Training success and reward over learner versions", ""]
     if train:
-        signal = learning_signal(groups)
         lines += _table(["task", "episodes", "success rate [95% CI]", "mean reward", "groups with equal rewards"],
                         [[task, r["episodes"], f"{_pct(r['success_rate'])} {_interval(r['ci95'])}",
                           f"{r['mean_reward']:.3f}",
-                          (f"{signal[task]['all_equal']} of {signal[task]['groups']}" if task in signal else "—")]
+                          _equal_groups(signal[task]) if task in signal else "—"]
                          for task, r in evaluation.success_by_task(train).items()])
         silent = [task for task, row in signal.items() if row["groups"] and row["all_equal"] == row["groups"]]
         if silent:
@@ -444,6 +459,11 @@ def _training_section(train: Sequence[Event], groups: Sequence[Event], figure: s
                       "and every attempt gets the same punishment). Such a task cannot improve under RL until "
                       "the starting policy sometimes succeeds.", ""]
     return lines + _figure(figure, "training success and reward", "No training trajectories yet.")
+
+
+def _equal_groups(row: Mapping[str, int]) -> str:
+    text = f"{row['all_equal']} of {row['groups']}"
+    return text + (f" ({row['filtered']} filtered out, not trained)" if row["filtered"] else "")
 
 
 def _pipeline_sections(staleness: Sequence[int], turn_source: str, turns: Sequence[tuple[int, str]],
@@ -513,6 +533,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
     staleness = group_staleness(ev.get(topics.BATCHES, []), ev.get(topics.WEIGHTS, []), groups)
     val_groups = {t["group_id"] for t in val} | {r["group_id"] for r in requested}
     turn_source, turns = training_turns(steps, train, val_groups)
+    signal = learning_signal(groups, ev.get(topics.METRICS, []), val_groups)
     share = stale_share_over_time(turns, t0, bucket_s)
     rate = throughput_over_time(trajs, t0, bucket_s)
     learner = learner_series(ev.get(topics.METRICS, []), (*LOSS_METRICS, *KL_METRICS, *CLIP_METRICS))
@@ -526,7 +547,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
 
     summary = {"run": run, "duration_s": (span[1] - span[0]) / 1000.0 if span else 0.0,
                "learner_steps": learner_steps(ev.get(topics.WEIGHTS, [])), "tasks": tasks,
-               "trajectories": len(trajs), "figures": written, "learning_signal": learning_signal(groups)}
+               "trajectories": len(trajs), "figures": written, "learning_signal": signal}
     lines = [f"# Run `{run}`", "",
              f"- Duration: {summary['duration_s']:.0f} s (first to last event of the run)",
              f"- Learner steps: {summary['learner_steps']}",
@@ -534,7 +555,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
              f"- Groups trained: {len(staleness)}", ""]
     lines += _evaluation_section(tasks, val, rounds, eval_fig)
     lines += _termination_section(train, val)
-    lines += _training_section(train, groups, curve_fig)
+    lines += _training_section(train, signal, curve_fig)
     lines += _pipeline_sections(staleness, turn_source, turns, health)
     if config:  # last: long, and read only when a figure above needs explaining
         lines += ["## Configuration", "", "```json", json.dumps(config, indent=2, sort_keys=True, default=str),

@@ -298,4 +298,18 @@ def test_learning_signal_counts_training_groups_whose_rewards_were_all_equal():
               {"task": "calc", "validation": False, "all_equal": False},
               {"task": "calc", "validation": True, "all_equal": True},
               {"task": "os", "validation": False, "all_equal": True}]
-    assert learning_signal(groups) == {"calc": {"groups": 2, "all_equal": 1}, "os": {"groups": 1, "all_equal": 1}}
+    assert learning_signal(groups) == {"calc": {"groups": 2, "all_equal": 1, "filtered": 0},
+                                       "os": {"groups": 1, "all_equal": 1, "filtered": 0}}
+
+
+def test_groups_filtered_out_as_all_equal_count_as_equal_groups_once_and_validation_ones_not_at_all():
+    from pipeline.report import GROUP_DROPPED_METRIC, learning_signal
+
+    def dropped(gid, reason="all_equal", task="calc"):
+        return {"name": GROUP_DROPPED_METRIC, "labels": {"group_id": gid, "reason": reason, "task": task}}
+
+    groups = [{"task": "calc", "validation": False, "all_equal": False}]
+    metrics = [dropped("g1"), dropped("g1"), dropped("g2", task="os"), dropped("g3", reason="stale"),
+               dropped("v1"), {"name": "actor/pg_loss", "labels": {}}]
+    assert learning_signal(groups, metrics, validation_groups={"v1"}) == {
+        "calc": {"groups": 2, "all_equal": 1, "filtered": 1}, "os": {"groups": 1, "all_equal": 1, "filtered": 1}}
