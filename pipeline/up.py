@@ -186,6 +186,11 @@ def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
 
 
 def raise_interrupted(*_: object) -> None:
+    # The first signal starts the shutdown; from then on they are ignored (shut_down restores the old
+    # handlers), else a second one, e.g. Ctrl-C pressed twice or `timeout` forwarding its own, raised
+    # again in the shutdown's first lines and the run ended in a traceback.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     raise Interrupted
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 
 import pytest
 
-from pipeline.up import RunFailed, Stack
+from pipeline.up import Interrupted, RunFailed, Stack, catch_interrupts
 from pipeline.up_plan import Child
 
 
@@ -46,3 +48,17 @@ def test_without_restarts_the_first_death_ends_the_run(tmp_path):
     _wait_exit(stack)
     with pytest.raises(RunFailed, match="dispatcher exited with 1:\nboom"):
         stack.supervise(lambda line: None)
+
+
+def test_a_second_signal_during_the_shutdown_is_ignored_instead_of_interrupting_it():
+    previous = catch_interrupts()
+    try:
+        with pytest.raises(Interrupted):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)  # the handler raises before this ends
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again, or `timeout` forwarding SIGTERM: no second raise
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
