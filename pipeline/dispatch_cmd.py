@@ -50,9 +50,6 @@ def parse_sources(spec: str, default_split: str | dict[str, str],
     name or one per family), with the split's sample count from the environment registry, at most `limit`,
     and its round-robin weight from `weights` (default 1)."""
     weights = weights or {}
-    unknown = sorted(set(weights) - {item.strip().partition(":")[0] for item in spec.split(",")})
-    if unknown:
-        _fail(f"weights name families that are not trained: {', '.join(unknown)}")
     sources = []
     for item in (s.strip() for s in spec.split(",")):
         if not item:
@@ -71,11 +68,14 @@ def parse_sources(spec: str, default_split: str | dict[str, str],
         cap = limit.get(name) if isinstance(limit, dict) else limit
         sources.append(TaskSource(task=name, split=split, count=min(count, cap) if cap else count,
                                   weight=weights.get(name, 1)))
+    unknown = sorted(set(weights) - {source.task for source in sources})
+    if unknown:
+        _fail(f"weights name families that are not trained: {', '.join(unknown)}")
     return tuple(sources)
 
 
 def _weights(text: str) -> dict[str, int]:
-    parsed = parse_limit(text.replace(" ", "")) if text.strip() else {}
+    parsed = parse_limit(text)
     if isinstance(parsed, int):
         _fail(f"--weights are FAMILY=N,...; got {text!r}")
     return parsed or {}
