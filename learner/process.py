@@ -145,12 +145,9 @@ def behaviour_lag(batch: Mapping[str, Any], version: int) -> int | None:
     return version - min(versions) if versions else None
 
 
-BATCH_SKIPPED_METRIC = "learner/batch_skipped"
-
-
 def skipped_batch_event(run: str, step: int, batch_id: str, at_ms: int) -> dict[str, Any]:
     """The `metrics` event of a batch the learner consumed without a step (nothing to train on)."""
-    return {"run": run, "name": BATCH_SKIPPED_METRIC, "value": 1.0, "step": step, "labels": {"batch_id": batch_id},
+    return {"run": run, "name": topics.BATCH_SKIPPED_METRIC, "value": 1.0, "step": step, "labels": {"batch_id": batch_id},
             "source": "learner", "at_ms": at_ms}
 
 
@@ -299,7 +296,7 @@ class LearnerLoop:
                     # Said out loud: no version answers this batch, and the dispatcher must still
                     # get its groups' credit back or the run stalls.
                     self.producer.send(topics.METRICS, skipped_batch_event(self.run, state.step, batch["batch_id"],
-                                                                           self.wall_ms()), key=BATCH_SKIPPED_METRIC)
+                                                                           self.wall_ms()), key=topics.BATCH_SKIPPED_METRIC)
                     self.producer.flush()
                     continue
                 lag = behaviour_lag(batch, state.version)

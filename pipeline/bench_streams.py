@@ -40,7 +40,6 @@ from schemas import arrays, samples, topics
 from schemas.bus import EventProducer, now_ms
 from schemas.codec import UndecodableEvent, codec
 from schemas.settings import KafkaSettings
-from streams.aggregator_agent import DROPPED_METRIC
 from streams.worker import start_at_end
 
 PAPER_RATE = 30.0  # trajectories/s of the paper's 64-GPU setup
@@ -233,7 +232,7 @@ class BenchRun:
             return
         now = time.perf_counter()
         for m in self.reader.events[topics.METRICS]:
-            if m["name"] == DROPPED_METRIC:
+            if m["name"] == topics.GROUP_DROPPED_METRIC:
                 self.dropped.setdefault(m["labels"]["group_id"], m["labels"]["reason"])
         for batch in self.reader.events[topics.BATCHES]:
             if batch["batch_id"] in self.answered:

@@ -22,7 +22,6 @@ from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
 
-from learner.process import BATCH_SKIPPED_METRIC
 from pipeline import dispatcher_logic as logic
 from schemas import topics
 from schemas.bus import EventProducer, now_ms
@@ -31,7 +30,6 @@ from schemas.settings import KafkaSettings
 
 log = logging.getLogger("rollstream.dispatch")
 
-DROPPED_METRIC = "streams/group_dropped"  # published by the streams aggregator
 
 
 @dataclass
@@ -128,9 +126,9 @@ class ProgressReader:
                 self.progress.batches[e["batch_id"]] = (e["credit_version"], list(e["group_ids"]))
             elif msg.topic() == topics.WEIGHTS:
                 self.progress.learner_version = max(self.progress.learner_version, e["version"])
-            elif e["name"] == DROPPED_METRIC and "group_id" in e["labels"]:
+            elif e["name"] == topics.GROUP_DROPPED_METRIC and "group_id" in e["labels"]:
                 self.progress.released.add(e["labels"]["group_id"])
-            elif e["name"] == BATCH_SKIPPED_METRIC and "batch_id" in e["labels"]:
+            elif e["name"] == topics.BATCH_SKIPPED_METRIC and "batch_id" in e["labels"]:
                 self.progress.skipped_batches.add(e["labels"]["batch_id"])
         return self.progress
 

@@ -416,7 +416,6 @@ def _termination_section(train: Sequence[Event], val: Sequence[Event]) -> list[s
     return lines
 
 
-GROUP_DROPPED_METRIC = "streams/group_dropped"  # streams/aggregator_agent.py publishes it, labels group_id/reason/task
 
 
 def learning_signal(groups: Sequence[Event], metrics: Iterable[Event] = (),
@@ -434,7 +433,7 @@ def learning_signal(groups: Sequence[Event], metrics: Iterable[Event] = (),
             row["all_equal"] += bool(g["all_equal"])
     skip = set(validation_groups)
     filtered = {(m["labels"]["group_id"], m["labels"].get("task", "")) for m in metrics
-                if m["name"] == GROUP_DROPPED_METRIC and m["labels"].get("reason") == "all_equal"
+                if m["name"] == topics.GROUP_DROPPED_METRIC and m["labels"].get("reason") == "all_equal"
                 and m["labels"]["group_id"] not in skip}
     for _, task in filtered:  # a group id once, however often the drop was published
         row = out.setdefault(task, {"groups": 0, "all_equal": 0, "filtered": 0})

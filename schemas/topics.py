@@ -33,6 +33,13 @@ EVENT_OF_TOPIC: dict[str, str] = {
 
 ALL_TOPICS: tuple[str, ...] = tuple(EVENT_OF_TOPIC)
 
+# Metric events (on METRICS) that another component acts on, so their names are spelled here too.
+GROUP_DROPPED_METRIC = "streams/group_dropped"
+"""The aggregator dropped a group (labels group_id, reason, task): the dispatcher releases its credit, and the
+report counts the groups dropped as all-equal."""
+BATCH_SKIPPED_METRIC = "learner/batch_skipped"
+"""The learner skipped a batch it could not train on (label batch_id): the dispatcher releases its credit."""
+
 # Object-store buckets the pipeline uses.
 WEIGHTS_BUCKET = "rollstream-weights"
 CHECKPOINTS_BUCKET = "rollstream-checkpoints"

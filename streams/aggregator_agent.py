@@ -30,7 +30,6 @@ from streams.settings import StreamsSettings
 
 TICK = b"tick"
 TRAJECTORY, WEIGHTS = "trajectory", "weight_version"
-DROPPED_METRIC = "streams/group_dropped"
 _ARRAYS = ("input_ids", "loss_mask", "rollout_logprobs")
 
 
@@ -93,10 +92,10 @@ def _close(tables: AggregatorTables, before: dict[str, Any], decision: aggregati
         if group["min_weight_version"] >= 0:
             extra["staleness"] = {str(learner_version - group["min_weight_version"]): 1}
     else:
-        metric = {"run": run, "name": DROPPED_METRIC, "value": 1.0, "step": learner_version,
+        metric = {"run": run, "name": topics.GROUP_DROPPED_METRIC, "value": 1.0, "step": learner_version,
                   "labels": {"group_id": gid, "reason": decision.reason, "task": before["task"]},
                   "source": "streams/aggregator", "at_ms": now_ms}
-        outs.append((topics.METRICS, DROPPED_METRIC.encode(), encode_for(topics.METRICS, metric)))
+        outs.append((topics.METRICS, topics.GROUP_DROPPED_METRIC.encode(), encode_for(topics.METRICS, metric)))
     for member in before["members"]:
         key = member_key(gid, member)
         if key in tables.members:

@@ -303,7 +303,8 @@ def test_learning_signal_counts_training_groups_whose_rewards_were_all_equal():
 
 
 def test_groups_filtered_out_as_all_equal_count_as_equal_groups_once_and_validation_ones_not_at_all():
-    from pipeline.report import GROUP_DROPPED_METRIC, learning_signal
+    from pipeline.report import learning_signal
+    from schemas.topics import GROUP_DROPPED_METRIC
 
     def dropped(gid, reason="all_equal", task="calc"):
         return {"name": GROUP_DROPPED_METRIC, "labels": {"group_id": gid, "reason": reason, "task": task}}
