@@ -63,6 +63,27 @@ class Status(StrEnum):
     UNKNOWN = "unknown"
 
 
+class CalcSplitOperations(BaseModel):
+    """Operation-count ranges of the calc splits that differ from `EnvSettings.calc_operations` (None: the same)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")  # frozen: EnvSettings is hashed to cache samples
+
+    train: tuple[int, int] | None = None
+    rl: tuple[int, int] | None = None
+    dev: tuple[int, int] | None = None
+
+    @field_validator("train", "rl", "dev")
+    @classmethod
+    def _a_positive_range(cls, bounds: tuple[int, int] | None) -> tuple[int, int] | None:
+        if bounds is not None and not 1 <= bounds[0] <= bounds[1]:
+            raise ValueError(f"expected 1 <= smallest <= largest, got {list(bounds)}")
+        return bounds
+
+    def get(self, split: str, default: tuple[int, int]) -> tuple[int, int]:
+        bounds: tuple[int, int] | None = getattr(self, split, None)
+        return default if bounds is None else bounds
+
+
 class EnvSettings(BaseModel):
     """Where the task data lives, each family's round limit, the db family's server and the os family's sandboxes."""
 
@@ -99,8 +120,8 @@ class EnvSettings(BaseModel):
     calc_train_tasks: int = 5000
     """Generated calculator tasks in the train split (no paper default; small and fast for CPU checks)."""
     calc_rl_tasks: int = 2000
-    """Generated calculator tasks in the rl split: the same distribution as train, but no SFT demonstration comes
-    from it. A small policy memorizes the tasks it was fine-tuned on and then solves each in all n samples or in
+    """Generated calculator tasks in the rl split: drawn like train's (unless calc_split_operations says otherwise),
+    but no SFT demonstration comes from it. A small policy memorizes the tasks it was fine-tuned on and then solves each in all n samples or in
     none, which gives GRPO groups of equal rewards and nothing to learn from; RL after SFT trains on this split."""
     calc_dev_tasks: int = 200
     """Generated calculator tasks in the dev split."""
@@ -108,6 +129,10 @@ class EnvSettings(BaseModel):
     """Smallest and largest operand of a generated calculator task (AgentRL's example leaves it open)."""
     calc_operations: tuple[int, int] = (1, 3)
     """Fewest and most operations of a generated calculator task (a few turns, as AgentRL's example)."""
+    calc_split_operations: CalcSplitOperations = CalcSplitOperations()
+    """Splits whose operation counts differ from calc_operations, e.g. {rl: [3, 3], dev: [3, 3]}: RL and its
+    validation on longer expressions than the demonstrations, where a fine-tuned policy still fails often enough
+    for GRPO groups to differ."""
     os_sandbox: SandboxSettings = SandboxSettings()
     """The os family's sandbox backend and limits (AgentBench: Docker containers, 30 s per command)."""
 

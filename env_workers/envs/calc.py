@@ -72,7 +72,8 @@ def make_task(split: str, index: int, seed: int, operands: tuple[int, int] = (2,
 def generate(split: str, settings: EnvSettings) -> list[dict[str, Any]]:
     """The split's tasks; `rl` skips any expression that a `train` task (a demonstration's source) also has."""
     def task(split: str, index: int) -> dict[str, Any]:
-        return make_task(split, index, settings.calc_seed, settings.calc_operands, settings.calc_operations)
+        operations = settings.calc_split_operations.get(split, settings.calc_operations)
+        return make_task(split, index, settings.calc_seed, settings.calc_operands, operations)
 
     if split != "rl":
         count = {"train": settings.calc_train_tasks, "dev": settings.calc_dev_tasks}[split]

@@ -57,10 +57,21 @@ def test_operands_and_operation_counts_stay_in_the_configured_ranges() -> None:
     assert calc.make_task("dev", 3, 7, (2, 30), (1, 3)) == calc.make_task("dev", 3, 7)  # the defaults
 
 
-def test_an_empty_or_non_positive_range_is_refused() -> None:
-    for bad in ({"calc_operands": (9, 2)}, {"calc_operations": (0, 2)}):
+def test_a_split_can_draw_its_own_operation_counts_while_the_others_keep_the_default() -> None:
+    settings = EnvSettings(calc_split_operations={"rl": (3, 3), "dev": (3, 3)})
+    for split in ("rl", "dev"):
+        assert {len(t["steps"]) for t in registry.samples("calc", split, settings)} == {3}
+    assert registry.samples("calc", "train", settings) == registry.samples("calc", "train", SETTINGS)
+    demonstrated = {calc.expression(t) for t in registry.samples("calc", "train", settings)}
+    assert not demonstrated & {calc.expression(t) for t in registry.samples("calc", "rl", settings)}
+
+
+def test_an_empty_or_non_positive_range_or_an_unknown_split_is_refused() -> None:
+    for bad in ({"calc_operands": (9, 2)}, {"calc_operations": (0, 2)}, {"calc_split_operations": {"rl": (3, 2)}}):
         with pytest.raises(ValidationError, match="smallest <= largest"):
             EnvSettings(**bad)
+    with pytest.raises(ValidationError, match="calc_split_operations.test"):
+        EnvSettings(calc_split_operations={"test": (3, 3)})
 
 
 def test_no_generated_answer_is_zero() -> None:
