@@ -56,6 +56,11 @@ class EngineFleetSettings(BaseModel):
     """Address engines serve on; 0.0.0.0 lets env workers on other hosts (containers) reach them."""
     advertise_host: str | None = None
     """Host name engines give in their heartbeats, where env workers elsewhere find them (docker-compose: trainer)."""
+    nice: int = Field(0, ge=0, le=19)
+    """Scheduling niceness of the engine processes (0: the same as the rest of the run; no paper default, its
+    engines have GPUs of their own). Where engines share the CPU cores with the learner, the learner is the
+    bottleneck and rollouts beyond what it consumes are wasted; a positive value lets it take the cores it needs
+    while the engines fill the rest."""
 
 
 class EnvWorkerFleetSettings(BaseModel):

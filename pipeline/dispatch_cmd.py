@@ -13,6 +13,7 @@ import typer
 from pydantic import ValidationError
 
 from env_workers.envs import registry
+from env_workers.envs.base import EnvSettings
 from pipeline.config import load_config
 from pipeline.dispatcher import run_dispatcher
 from pipeline.dispatcher_logic import DispatcherSettings, TaskSource
@@ -45,7 +46,7 @@ def parse_limit(text: str | None) -> int | dict[str, int] | None:
 
 def parse_sources(spec: str, default_split: str | dict[str, str],
                   limit: int | dict[str, int] | None = None,
-                  weights: dict[str, int] | None = None) -> tuple[TaskSource, ...]:
+                  weights: dict[str, int] | None = None, envs: EnvSettings | None = None) -> tuple[TaskSource, ...]:
     """"calc,db:standard" -> one TaskSource per family (split after ':', else default_split, one
     name or one per family), with the split's sample count from the environment registry, at most `limit`,
     and its round-robin weight from `weights` (default 1)."""
@@ -60,7 +61,7 @@ def parse_sources(spec: str, default_split: str | dict[str, str],
             splits = registry.split_names(name)
             if split not in splits:
                 _fail(f"family {name!r} has no split {split!r}; splits: {', '.join(splits)}")
-            count = len(registry.samples(name, split, env_settings()))
+            count = len(registry.samples(name, split, envs or env_settings()))
         except registry.UnknownFamily as e:
             _fail(str(e))
         if count == 0:
@@ -96,7 +97,8 @@ def dispatch(
     val_samples: str = typer.Option("", help="Validation samples per family, the first ones: N, or FAMILY=N,... (default all)."),
     no_val_before_train: bool = typer.Option(False, "--no-val-before-train", help="Skip validation round 0."),
     poll_s: float = typer.Option(1.0, help="How long each progress poll waits."),
-    config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
+    config: Path | None = typer.Option(None, help="YAML run configuration (the broker, and `envs`, whose counts size "
+                                       "the splits)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
 ) -> None:
     """Dispatch task groups for a run, keeping at most --max-in-flight groups untrained; a restart
@@ -108,9 +110,11 @@ def dispatch(
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     try:
+        envs = load_config(config).envs  # the file's: a count such as envs.calc_rl_tasks sizes a split
         settings = DispatcherSettings(
-            sources=parse_sources(families, split or TRAINING_SPLITS, weights=_weights(weights)),
-            validation_sources=parse_sources(val_families, HELD_OUT_SPLITS, parse_limit(val_samples)) if val_families else (),
+            sources=parse_sources(families, split or TRAINING_SPLITS, weights=_weights(weights), envs=envs),
+            validation_sources=parse_sources(val_families, HELD_OUT_SPLITS, parse_limit(val_samples),
+                                             envs=envs) if val_families else (),
             group_size=group_size, batch_size=batch_size, max_in_flight_groups=max_in_flight,
             val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train)
     except ValidationError as e:

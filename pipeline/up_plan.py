@@ -84,9 +84,12 @@ def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
                  restart_args=() if resume else ("--resume",))
 
 
-def dispatcher_child(cfg: RollstreamConfig, run: str) -> Child:
+def dispatcher_child(cfg: RollstreamConfig, run: str, run_dir: Path) -> Child:
+    # The whole configuration: the broker, and the environments' settings that size each split.
+    config_path = run_dir / "settings" / "config.json"
     mix = cfg.mix
-    argv = ["dispatch", "--run", run, "--families", ",".join(mix.families), "--max-groups", str(UNBOUNDED_GROUPS),
+    argv = ["dispatch", "--run", run, "--config", str(config_path),
+            "--families", ",".join(mix.families), "--max-groups", str(UNBOUNDED_GROUPS),
             "--group-size", str(cfg.streams.group_size), "--batch-size", str(cfg.streams.batch_size),
             "--val-interval", str(mix.val_interval), "--val-group-size", str(mix.val_group_size)]
     if mix.weights:
@@ -100,7 +103,7 @@ def dispatcher_child(cfg: RollstreamConfig, run: str) -> Child:
                      else ",".join(f"{k}={v}" for k, v in mix.val_samples.items())]
     if not mix.val_before_train:
         argv.append("--no-val-before-train")
-    return Child("dispatcher", rollstream(*argv))
+    return Child("dispatcher", rollstream(*argv), {str(config_path): settings_json(cfg, cfg.as_data())})
 
 
 def engine_args(cfg: RollstreamConfig) -> tuple[str, ...]:

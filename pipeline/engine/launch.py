@@ -10,6 +10,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -68,12 +69,22 @@ class EngineProcess:
         stop_process_group(self.process, timeout_s)
 
 
+def popen_niced(command: list[str], nice: int, **popen: Any) -> subprocess.Popen:
+    """subprocess.Popen, then the process's niceness raised by `nice` (0: left alone). A process it starts
+    afterwards inherits it: the engine supervisor takes seconds of imports before it starts vLLM."""
+    process = subprocess.Popen(command, **popen)
+    if nice:
+        os.setpriority(os.PRIO_PROCESS, process.pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice))
+    return process
+
+
 def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port: int | None = None,
                   engine_id: str | None = None, extra_args: tuple[str, ...] = (),
                   cwd: Path | None = None, bind_host: str = "127.0.0.1",
-                  advertise_host: str | None = None) -> EngineProcess:
+                  advertise_host: str | None = None, nice: int = 0) -> EngineProcess:
     """Starts `rollstream engine` in its own process group; call `wait_until_serving` next.
-    bind_host 0.0.0.0 with an advertise_host lets other machines (containers) reach it."""
+    bind_host 0.0.0.0 with an advertise_host lets other machines (containers) reach it; `nice` lowers the
+    scheduling priority of the engine and of every process it starts (vLLM's inherit it)."""
     port = port or free_port()
     engine_id = engine_id or f"{pool}-{port}"
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -84,6 +95,5 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
     if advertise_host:
         command += ["--advertise-url", f"http://{advertise_host}:{port}"]
     with open(log_path, "ab") as log:  # an engine started again keeps the log of its previous life
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=cwd,
-                                   start_new_session=True)
+        process = popen_niced(command, nice, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
     return EngineProcess(pool, engine_id, f"http://127.0.0.1:{port}", process, log_path)

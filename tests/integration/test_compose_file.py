@@ -35,6 +35,7 @@ def test_compose_env_workers_join_the_trainers_run_with_its_limits():
     options = dict(zip(worker[1::2], worker[2::2]))
     trainer = services["trainer"]["command"]
     assert options["--run"] == trainer[trainer.index("--run") + 1]
+    assert options["--config"] == trainer[trainer.index("--config") + 1]  # the same envs settings, task for task
     cfg = yaml.safe_load((REPO_ROOT / "configs" / "cpu.yaml").read_text())
     assert (int(options["--max-turns"]), int(options["--max-total-len"]), int(options["--max-new-tokens"]),
             int(options["--concurrency"])) == (cfg["agent_loop"]["max_turns"], cfg["agent_loop"]["max_total_len"],

@@ -14,8 +14,8 @@ from env_workers.envs.base import EnvSettings
 from env_workers.worker_settings import EnvWorkerSettings
 from learner.settings import LearnerSettings
 from pipeline import cli
-from pipeline.config import REPO_ROOT, RollstreamConfig, load_config, write_config
-from pipeline.dispatch_cmd import parse_limit
+from pipeline.config import REPO_ROOT, RollstreamConfig, load_config, write_config, write_private
+from pipeline.dispatch_cmd import parse_limit, parse_sources
 from pipeline.up_plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
                               learner_child, streams_child)
 from streams.settings import StreamsSettings
@@ -46,7 +46,7 @@ def test_every_child_command_line_is_accepted_by_its_command(cfg, tmp_path):
     children = [streams_child(cfg, "r1", tmp_path, 6070),
                 *env_worker_children(cfg, "r1", tmp_path, tmp_path / "model", URLS, EnvSettings()),
                 learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555),
-                dispatcher_child(cfg, "r1")]
+                dispatcher_child(cfg, "r1", tmp_path)]
     assert [c.name for c in children][:2] == ["streams", "env-worker-0"]
     for child in children:
         _parse(child)
@@ -71,13 +71,13 @@ def test_learner_broadcasts_to_both_pools_and_stops_at_max_steps(cfg, tmp_path):
     assert params["max_steps"] == cfg.max_steps
 
 
-def test_dispatcher_gets_the_mix_and_the_group_and_batch_sizes_of_the_streams(cfg):
-    params = _parse(dispatcher_child(cfg, "r1"))
+def test_dispatcher_gets_the_mix_and_the_group_and_batch_sizes_of_the_streams(cfg, tmp_path):
+    params = _parse(dispatcher_child(cfg, "r1", tmp_path))
     assert params["families"] == ",".join(cfg.mix.families)
     assert params["group_size"] == cfg.streams.group_size and params["batch_size"] == cfg.streams.batch_size
     assert parse_limit(params["val_samples"]) == cfg.mix.val_samples
     weighted = cfg.model_copy(update={"mix": cfg.mix.model_copy(update={"weights": {"calc": 3, "db": 2}})})
-    assert parse_limit(_parse(dispatcher_child(weighted, "r1"))["weights"]) == {"calc": 3, "db": 2}
+    assert parse_limit(_parse(dispatcher_child(weighted, "r1", tmp_path))["weights"]) == {"calc": 3, "db": 2}
 
 
 def test_validation_sample_counts_are_one_number_or_per_family():
@@ -160,3 +160,14 @@ def test_defaults_are_the_papers():
     assert (c.agent_loop.max_turns, c.agent_loop.max_total_len, c.agent_loop.temperature) == (20, 8192, 0.8)
     assert (c.learner.lr, c.mix.val_interval, c.mix.val_group_size, c.streams.first_batch_factor) == (1e-6, 25, 4, 1.7)
     assert c.env_workers.count * c.env_workers.concurrency == 2048
+
+
+def test_dispatcher_reads_the_runs_whole_configuration_so_its_split_sizes_are_the_env_workers(cfg, tmp_path):
+    # A count in the file's `envs` (calc_rl_tasks) sizes the split the dispatcher draws indexes from.
+    sized = cfg.model_copy(update={"envs": cfg.envs.model_copy(update={"calc_rl_tasks": 321})})
+    child = dispatcher_child(sized, "r1", tmp_path)
+    path = Path(_parse(child)["config"])
+    write_private(path, child.files[str(path)])
+    read = load_config(path)
+    assert read.envs == sized.envs and read.kafka == sized.kafka
+    assert [s.count for s in parse_sources("calc:rl", "train", envs=read.envs)] == [321]
