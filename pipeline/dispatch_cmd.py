@@ -110,7 +110,8 @@ def dispatch(
     """
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     try:
-        envs = load_config(config).envs  # the file's: a count such as envs.calc_rl_tasks sizes a split
+        cfg = load_config(config)
+        envs = cfg.envs  # the file's: a count such as envs.calc_rl_tasks sizes a split
         settings = DispatcherSettings(
             sources=parse_sources(families, split or TRAINING_SPLITS, weights=_weights(weights), envs=envs),
             validation_sources=parse_sources(val_families, HELD_OUT_SPLITS, parse_limit(val_samples),
@@ -130,7 +131,7 @@ def dispatch(
 
     signal.signal(signal.SIGTERM, request_stop)
     signal.signal(signal.SIGINT, request_stop)
-    summary = run_dispatcher(load_config(config).kafka, run, settings, max_groups, poll_s=poll_s,
+    summary = run_dispatcher(cfg.kafka, run, settings, max_groups, poll_s=poll_s,
                              should_stop=lambda: stop["requested"])
     if as_json:
         typer.echo(json.dumps(summary))

@@ -120,9 +120,10 @@ class EnvSettings(BaseModel):
     calc_train_tasks: int = 5000
     """Generated calculator tasks in the train split (no paper default; small and fast for CPU checks)."""
     calc_rl_tasks: int = 2000
-    """Generated calculator tasks in the rl split: drawn like train's (unless calc_split_operations says otherwise),
-    but no SFT demonstration comes from it. A small policy memorizes the tasks it was fine-tuned on and then solves each in all n samples or in
-    none, which gives GRPO groups of equal rewards and nothing to learn from; RL after SFT trains on this split."""
+    """Generated calculator tasks in the rl split: drawn like train's (unless calc_split_operations says
+    otherwise), but no SFT demonstration comes from it. A small policy memorizes the tasks it was fine-tuned on
+    and then solves each in all n samples or in none, which gives GRPO groups of equal rewards and nothing to
+    learn from; RL after SFT trains on this split."""
     calc_dev_tasks: int = 200
     """Generated calculator tasks in the dev split."""
     calc_operands: tuple[int, int] = (2, 30)
