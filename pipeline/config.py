@@ -60,7 +60,8 @@ class EngineFleetSettings(BaseModel):
     """Scheduling niceness of the engine processes (0: the same as the rest of the run; no paper default, its
     engines have GPUs of their own). Where engines share the CPU cores with the learner, the learner is the
     bottleneck and rollouts beyond what it consumes are wasted; a positive value lets it take the cores it needs
-    while the engines fill the rest."""
+    while the engines fill the rest. Engines run in sessions of their own, so under the kernel's autogroup
+    scheduling the niceness is given to their sessions too (pipeline/engine/launch.set_session_niceness)."""
 
 
 class EnvWorkerFleetSettings(BaseModel):

@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict
 from learner.manifest import ShardIntegrityError
 from pipeline.config import load_config
 from pipeline.engine.heartbeat import Heartbeat
+from pipeline.engine.launch import set_session_niceness
 from pipeline.engine.server import INITIAL_VERSION_ENV, vllm_command
 from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load
 from schemas import objectstore, topics
@@ -174,6 +175,10 @@ def engine(
                            chunked_prefill=on_gpu)
     # vLLM's own log goes to our stderr; the server gets its own session so SIGTERM reaches its children.
     server = subprocess.Popen(command, stdout=sys.stderr, stderr=sys.stderr, env=env, start_new_session=True)
+    # The server inherits this process's niceness (engines.nice) but leads a session of its own, where
+    # the kernel schedules by session first: the session gets the same niceness, or the niceness counts for nothing.
+    if niceness := os.getpriority(os.PRIO_PROCESS, 0):
+        set_session_niceness(server.pid, niceness)
     stopping = {"flag": False}
 
     def request_stop(signum: int, _frame: object) -> None:

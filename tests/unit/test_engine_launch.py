@@ -1,4 +1,4 @@
-"""Engine processes started at a lower scheduling priority (engines.nice), their children too."""
+"""Engine processes started at a lower scheduling priority (engines.nice), their children and their sessions too."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import subprocess
 import sys
 import time
 
-from pipeline.engine.launch import popen_niced, stop_process_group
+from pathlib import Path
+
+from pipeline.engine.launch import popen_niced, set_session_niceness, stop_process_group
 
 # The child waits a moment, so that the niceness is set before it starts a grandchild, as the engine
 # supervisor imports for seconds before it starts vLLM; the grandchild prints its own niceness.
@@ -31,3 +33,35 @@ def test_nice_zero_leaves_the_priority_alone() -> None:
         assert os.getpriority(os.PRIO_PROCESS, process.pid) == os.getpriority(os.PRIO_PROCESS, 0)
     finally:
         stop_process_group(process, 5)
+
+
+def _autogroup_line(pid: int | str) -> str | None:
+    path = Path(f"/proc/{pid}/autogroup")
+    return path.read_text().strip() if path.exists() else None
+
+
+def test_a_niced_process_in_a_session_of_its_own_gets_a_niced_session_where_the_kernel_schedules_by_session() -> None:
+    # Under autogroup scheduling a session's niceness, not the process's, weighs against other sessions.
+    own = _autogroup_line("self")
+    process = popen_niced([sys.executable, "-c", "import time; time.sleep(30)"], 7, start_new_session=True)
+    try:
+        line = _autogroup_line(process.pid)
+        if own is None:
+            assert line is None  # no autogroups: the process niceness is all there is
+        else:
+            assert line.split()[0] != own.split()[0]
+            assert line.endswith(f" nice {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 7)}")
+            assert _autogroup_line("self") == own
+    finally:
+        stop_process_group(process, 5)
+
+
+def test_the_session_niceness_is_left_alone_for_a_process_that_shares_our_session() -> None:
+    own = _autogroup_line("self")
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert set_session_niceness(process.pid, 9) is False  # it would have niced this test's session too
+        assert _autogroup_line("self") == own
+    finally:
+        process.kill()
+        process.wait()
