@@ -9,9 +9,15 @@ Used by the run report (pipeline/report.py) and by `rollstream eval`.
 - Table 3 of AgentRL reports success as mean ± std over the n repeats of each sample; a repeat is
   the trajectory's `member` index within its group.
 - Table 7 reports the share of each final session status.
-- Before/after compares the first and the last validation round of each task. The verdict uses the
-  conservative criterion "the two 95% Wilson intervals are disjoint"; the two-proportion z-test
-  p-value is reported beside it for readers who prefer it.
+- Before/after compares the first and the last validation round of each task. Both rounds evaluate
+  the same held-out samples (the first `val_samples` of the split), so the comparison is paired: per
+  sample, the change of its success share (successes / repeats); the verdict asks whether the 95%
+  interval of the mean change excludes zero. Pairing is the right analysis and the more powerful one:
+  the n repeats of a sample are not independent episodes (a sample the policy cannot solve fails in
+  all of them), which the per-round Wilson intervals ignore, and a sample's difficulty cancels out of
+  its own change. With fewer than MIN_PAIRED_SAMPLES paired samples (the normal approximation of the
+  mean is not to be trusted) the verdict falls back to "the two 95% Wilson intervals are disjoint".
+  The two-proportion z-test p-value of the episodes is reported beside either.
 """
 
 from __future__ import annotations
@@ -29,8 +35,13 @@ Z95 = 1.959964
 # Validation round r is dispatched with epoch = r (pipeline/dispatcher_logic.plan_validation), so a
 # group's round is the epoch whose group id matches; rounds are searched up to this bound.
 MAX_ROUND = 10_000
-VERDICT_CRITERION = ("improved / worse: the 95% Wilson intervals of the first and the last validation "
-                     "round are disjoint; otherwise no clear change (two-proportion z-test p-value shown beside)")
+# Fewer paired samples than this: the verdict uses the disjoint-interval rule (see the module docstring).
+MIN_PAIRED_SAMPLES = 30
+VERDICT_CRITERION = ("improved / worse: the 95% interval of the change in success, paired per held-out sample "
+                     "between the first and the last validation round (mean over samples of the change of the "
+                     f"sample's success share), lies above / below zero; with fewer than {MIN_PAIRED_SAMPLES} "
+                     "samples in both rounds, the rounds' 95% Wilson intervals are disjoint instead; otherwise "
+                     "no clear change (two-proportion z-test p-value of the episodes shown beside)")
 
 Trajectory = Mapping[str, Any]
 
@@ -162,23 +173,55 @@ def validation_rounds(val_trajs: Iterable[Trajectory], known: Mapping[str, int] 
     return rounds
 
 
-def verdict(before: Mapping[str, Any], after: Mapping[str, Any] | None) -> str:
-    """improved / worse when the 95% intervals are disjoint, else no clear change."""
+def paired_change(before: Sequence[Trajectory], after: Sequence[Trajectory],
+                  confidence: float = 0.95) -> dict[str, Any] | None:
+    """The change of success between two rounds, paired per sample ((split, sample_index)) evaluated in both:
+    {"samples", "mean", "ci95": [lo, hi], "up", "down"}; mean = the mean over samples of (after share - before
+    share), a share being successes / episodes of that sample in that round; the interval is the normal
+    approximation of that mean (sample std, ddof 1); up / down count the samples that rose / fell.
+    None with fewer than two paired samples (no spread to measure)."""
+    def shares(trajs: Sequence[Trajectory]) -> dict[tuple[str, int], float]:
+        counts: dict[tuple[str, int], list[int]] = {}
+        for t in trajs:
+            c = counts.setdefault((t["split"], t["sample_index"]), [0, 0])
+            c[0] += is_success(t)
+            c[1] += 1
+        return {key: wins / n for key, (wins, n) in counts.items()}
+
+    b, a = shares(before), shares(after)
+    changes = [a[key] - b[key] for key in sorted(b.keys() & a.keys())]
+    if len(changes) < 2:
+        return None
+    mean = statistics.fmean(changes)
+    half = _z(confidence) * statistics.stdev(changes) / math.sqrt(len(changes))
+    return {"samples": len(changes), "mean": mean, "ci95": [mean - half, mean + half],
+            "up": sum(c > 0 for c in changes), "down": sum(c < 0 for c in changes)}
+
+
+def verdict(before: Mapping[str, Any], after: Mapping[str, Any] | None,
+            change: Mapping[str, Any] | None = None) -> str:
+    """improved / worse when the paired change's 95% interval excludes zero (at least MIN_PAIRED_SAMPLES
+    samples), else when the two rounds' 95% intervals are disjoint; otherwise no clear change."""
     if after is None:
         return "not evaluated after training"
-    (b_lo, b_hi), (a_lo, a_hi) = before["ci95"], after["ci95"]
-    if a_lo > b_hi:
+    if change is not None and change["samples"] >= MIN_PAIRED_SAMPLES:
+        lo, hi = change["ci95"]
+    else:
+        (b_lo, b_hi), (a_lo, a_hi) = before["ci95"], after["ci95"]
+        lo, hi = a_lo - b_hi, a_hi - b_lo
+    if lo > 0:
         return "improved"
-    if a_hi < b_lo:
+    if hi < 0:
         return "worse"
     return "no clear change"
 
 
 def before_after(val_trajs: Iterable[Trajectory], rounds: Mapping[str, int] | None = None) -> dict[str, dict[str, Any]]:
     """Per task, the first vs the last validation round: {"before": {round, episodes, successes,
-    rate, ci95}, "after": same or None (a single round), "intervals_disjoint", "p_value", "verdict"}.
-    `rounds` maps group_id -> round (see validation_rounds); trajectories of unmapped groups are
-    not counted."""
+    rate, ci95}, "after": same or None (a single round), "change": paired_change or None,
+    "criterion": "paired change" | "disjoint intervals" | None, "intervals_disjoint", "p_value",
+    "verdict"}. `rounds` maps group_id -> round (see validation_rounds); trajectories of unmapped
+    groups are not counted."""
     val_trajs = [t for t in val_trajs if t.get("validation", False)]
     if rounds is None:
         rounds = validation_rounds(val_trajs)
@@ -190,11 +233,15 @@ def before_after(val_trajs: Iterable[Trajectory], rounds: Mapping[str, int] | No
         first, last = min(by_round), max(by_round)
         before = {"round": first} | proportion(by_round[first])
         after = {"round": last} | proportion(by_round[last]) if last != first else None
+        change = paired_change(by_round[first], by_round[last]) if after else None
+        paired = change is not None and change["samples"] >= MIN_PAIRED_SAMPLES
+        disjoint = after is not None and (after["ci95"][0] > before["ci95"][1] or after["ci95"][1] < before["ci95"][0])
         out[task] = {
-            "before": before, "after": after,
-            "intervals_disjoint": after is not None and verdict(before, after) != "no clear change",
+            "before": before, "after": after, "change": change,
+            "criterion": None if after is None else "paired change" if paired else "disjoint intervals",
+            "intervals_disjoint": disjoint,
             "p_value": two_proportion_p_value(before["successes"], before["episodes"],
                                               after["successes"], after["episodes"]) if after else None,
-            "verdict": verdict(before, after),
+            "verdict": verdict(before, after, change),
         }
     return out

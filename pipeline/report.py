@@ -320,7 +320,9 @@ def plot_before_after(table: Mapping[str, Mapping[str, Any]], path: Path, dpi: i
         for x, c in zip(xs, cells):  # above the interval, where no bar or error bar is
             ax.annotate(f"round {c['round']}\nn={c['episodes']}", (x, 100 * c["ci95"][1] + 2), ha="center",
                         va="bottom", fontsize=8)
-    ax.set_xticks(range(len(tasks)), tasks)
+    # Under each task its paired change and verdict: what the bars alone cannot show.
+    ax.set_xticks(range(len(tasks)), [f"{task}\npaired change {_change(table[task].get('change'))}\n{table[task]['verdict']}"
+                                      if table[task].get("change") else task for task in tasks])
     ax.set(title="Held-out success before vs after training (95% Wilson intervals)", xlabel="task",
            ylabel="success rate (%)", ylim=(0, 118), yticks=range(0, 101, 20))
     ax.grid(alpha=0.3, axis="y")
@@ -352,10 +354,25 @@ def _sentence(task: str, row: Mapping[str, Any]) -> str:
     if after is None:
         return (f"- **{task}**: evaluated in round {before['round']} only ({_cell(before)}); "
                 "no later round to compare with yet.")
-    why = ("the 95% intervals are disjoint" if row["intervals_disjoint"]
-           else "the 95% intervals overlap, so by this criterion it is not clearly outside the noise")
+    if row.get("criterion") == "paired change":
+        change = row["change"]
+        why = (f"paired over its {change['samples']} held-out samples the change is {_change(change)} "
+               f"({change['up']} samples rose, {change['down']} fell)"
+               + ("; the interval excludes zero" if row["verdict"] in ("improved", "worse")
+                  else "; the interval includes zero, so it is not clearly outside the noise"))
+    else:
+        why = ("the 95% intervals are disjoint" if row["intervals_disjoint"]
+               else "the 95% intervals overlap, so by this criterion it is not clearly outside the noise")
     return (f"- **{task}**: {row['verdict']}: {_cell(before)} → {_cell(after)}; {why} "
             f"(z-test p = {row['p_value']:.2g}).")
+
+
+def _change(change: Mapping[str, Any] | None) -> str:
+    """A paired change in percentage points with its interval: "+5.6 pts [+1.7, +9.5]"."""
+    if change is None:
+        return "—"
+    lo, hi = change["ci95"]
+    return f"{100 * change['mean']:+.1f} pts [{100 * lo:+.1f}, {100 * hi:+.1f}]"
 
 
 def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
@@ -388,8 +405,9 @@ def _evaluation_section(tasks: Mapping[str, Mapping[str, Any]], val: Sequence[Ev
              f"Criterion: {evaluation.VERDICT_CRITERION}.", ""]
     evaluated = {task: row for task, row in tasks.items() if row["before"] is not None}
     if evaluated:
-        lines += _table(["task", "before: round: successes/episodes = rate [95% CI]", "after", "z-test p", "verdict"],
-                        [[task, _cell(r["before"]), _cell(r["after"]),
+        lines += _table(["task", "before: round: successes/episodes = rate [95% CI]", "after",
+                         "change, paired per sample [95% CI]", "z-test p", "verdict"],
+                        [[task, _cell(r["before"]), _cell(r["after"]), _change(r.get("change")),
                           "—" if r["p_value"] is None else f"{r['p_value']:.2g}", r["verdict"]]
                          for task, r in evaluated.items()])
     lines += [_sentence(task, row) for task, row in tasks.items()] or ["_No trajectories in this run yet._"]
@@ -488,8 +506,8 @@ def _pipeline_sections(staleness: Sequence[int], turn_source: str, turns: Sequen
 
 # ---------------------------------------------------------------- the report
 
-_NOT_VALIDATED = {"before": None, "after": None, "intervals_disjoint": False, "p_value": None,
-                  "verdict": "no validation"}
+_NOT_VALIDATED = {"before": None, "after": None, "change": None, "criterion": None, "intervals_disjoint": False,
+                  "p_value": None, "verdict": "no validation"}
 
 
 def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str, Any] | None = None,

@@ -38,14 +38,22 @@ def _ci(p: Mapping[str, Any] | None) -> str:
             f"[{100 * p['ci95'][0]:.1f}, {100 * p['ci95'][1]:.1f}]")
 
 
+def _change(change: Mapping[str, Any] | None) -> str:
+    if change is None:
+        return "—"
+    lo, hi = change["ci95"]
+    return f"{100 * change['mean']:+.1f} pts [{100 * lo:+.1f}, {100 * hi:+.1f}] ({change['samples']} samples)"
+
+
 def print_summary(summary: Mapping[str, Any], out_dir: Path, console: Console) -> None:
     """The human view of summary.json: run facts, then held-out success per task."""
     console.print(f"run {summary['run']}: {summary['duration_s']:.0f} s, {summary['learner_steps']} learner steps, "
                   f"{summary['trajectories']} trajectories; report in {out_dir}")
-    table = Table("task", "before (round: successes/episodes = rate [95% CI])", "after", "verdict",
+    table = Table("task", "before (round: successes/episodes = rate [95% CI])", "after",
+                  "change, paired per sample [95% CI]", "verdict",
                   title="Held-out success, first vs last validation round")
     for task, row in summary["tasks"].items():
-        table.add_row(task, _ci(row["before"]), _ci(row["after"]), row["verdict"])
+        table.add_row(task, _ci(row["before"]), _ci(row["after"]), _change(row.get("change")), row["verdict"])
     console.print(table)
 
 

@@ -10,7 +10,9 @@ import pytest
 from pipeline.evaluation import (
     before_after,
     dedup,
+    MIN_PAIRED_SAMPLES,
     is_success,
+    paired_change,
     repeat_table,
     success_by_task,
     termination_shares,
@@ -128,6 +130,7 @@ def test_disjoint_intervals_mean_improved_overlapping_mean_no_clear_change() -> 
     assert table["db"]["verdict"] == "no clear change" and not table["db"]["intervals_disjoint"]
     assert table["db"]["p_value"] == pytest.approx(0.7233, abs=1e-4)
     assert table["kg"]["verdict"] == "worse"
+    assert {row["criterion"] for row in table.values()} == {"disjoint intervals"}  # 5 samples: too few to pair
 
 
 def test_a_single_validation_round_has_no_after_and_no_verdict() -> None:
@@ -143,3 +146,46 @@ def test_training_trajectories_never_enter_before_after() -> None:
 def test_two_proportion_test_is_undefined_without_any_variation() -> None:
     assert two_proportion_p_value(10, 10, 10, 10) == 1.0
     assert two_proportion_p_value(0, 0, 3, 10) == 1.0
+
+
+def paired_rounds(task: str, wins_before: list[int], wins_after: list[int], repeats: int = 2) -> list[dict[str, Any]]:
+    """Rounds 0 and 1 over the same samples; sample i succeeds in the first wins[i] of its repeats."""
+    return [traj(task, member < wins[sample], member=member, sample=sample, epoch=epoch)
+            for epoch, wins in ((0, wins_before), (1, wins_after))
+            for sample in range(len(wins)) for member in range(repeats)]
+
+
+def test_a_change_the_same_samples_share_is_clear_when_paired_though_the_rounds_intervals_overlap() -> None:
+    # 40 samples x 2 repeats: 20 always solved, 20 never; afterwards 10 of the unsolved are solved once.
+    before, after = [2] * 20 + [0] * 20, [2] * 20 + [1] * 10 + [0] * 10
+    row = before_after(paired_rounds("calc", before, after))["calc"]
+    assert (row["before"]["successes"], row["after"]["successes"]) == (40, 50)
+    assert not row["intervals_disjoint"]  # [39.2%, 60.8%] vs [51.6%, 72.3%]
+    # per-sample changes: ten of +0.5, thirty of 0: mean 0.125, sample std 0.21926, half width 1.96 x 0.21926 / sqrt(40)
+    change = row["change"]
+    assert (change["samples"], change["up"], change["down"]) == (40, 10, 0)
+    assert change["mean"] == pytest.approx(0.125)
+    assert change["ci95"] == pytest.approx([0.05705, 0.19295], abs=1e-4)
+    assert row["criterion"] == "paired change" and row["verdict"] == "improved"
+
+
+def test_changes_that_cancel_across_samples_are_no_clear_change() -> None:
+    # as many samples fall as rise: the mean change is zero whatever the per-round counts
+    before, after = [2] * 20 + [0] * 20, [0] * 10 + [2] * 10 + [2] * 10 + [0] * 10
+    row = before_after(paired_rounds("calc", before, after))["calc"]
+    assert row["change"]["mean"] == 0.0 and (row["change"]["up"], row["change"]["down"]) == (10, 10)
+    assert row["verdict"] == "no clear change"
+
+
+def test_a_policy_that_never_succeeds_shows_no_change_and_no_spread() -> None:
+    row = before_after(paired_rounds("os", [0] * 40, [0] * 40))["os"]
+    assert row["change"]["ci95"] == [0.0, 0.0] and row["verdict"] == "no clear change"
+
+
+def test_only_samples_evaluated_in_both_rounds_are_paired() -> None:
+    before = [traj("calc", True, sample=i, epoch=0) for i in range(4)]
+    after = [traj("calc", i % 2 == 0, sample=i, epoch=1) for i in range(2, 6)]
+    change = paired_change(before, after)
+    assert change["samples"] == 2 and change["down"] == 1 and change["mean"] == pytest.approx(-0.5)
+    assert paired_change(before[:1], after) is None  # no pair: nothing to measure
+    assert MIN_PAIRED_SAMPLES > change["samples"]

@@ -192,14 +192,16 @@ def test_report_of_a_synthetic_run_has_every_file_and_the_hand_computed_summary(
     for name in FIGURES:
         assert f"]({name})" in report
     assert "- **calc**: improved" in report and "- **db**: no clear change" in report
-    assert "Wilson intervals" in report
+    assert "Wilson intervals" in report and "paired per held-out sample" in report
+    assert calc["criterion"] == "disjoint intervals"  # too few samples to pair: the conservative rule decides
     assert "| db | 8 |" in report  # training termination table: 8 db trajectories
 
 
 def test_run_without_validation_still_builds_and_says_so(tmp_path: Path) -> None:
     summary = build_report(synthetic_run(with_validation=False), tmp_path, RUN, settings=ReportSettings(dpi=50))
     assert "evaluation.png" not in summary["figures"] and not (tmp_path / "evaluation.png").exists()
-    assert summary["tasks"]["calc"] == {"before": None, "after": None, "intervals_disjoint": False,
+    assert summary["tasks"]["calc"] == {"before": None, "after": None, "change": None, "criterion": None,
+                                        "intervals_disjoint": False,
                                         "p_value": None, "verdict": "no validation"}
     report = (tmp_path / "report.md").read_text()
     assert "No validation rollouts yet" in report and "- **calc**: no validation rollouts" in report
@@ -283,6 +285,7 @@ def test_summary_table_shows_each_task_with_its_interval_and_verdict(full_report
     assert "run synthetic: 600 s, 2 learner steps, 96 trajectories" in text
     assert "r0: 2/20 = 10.0% [2.8, 30.1]" in text and "r2: 18/20 = 90.0% [69.9, 97.2]" in text
     assert "improved" in text and "no clear change" in text
+    assert " pts [" in text and " samples)" in text  # the paired change beside the rounds
 
 
 def test_report_help_shows_an_example() -> None:
