@@ -102,6 +102,13 @@ def _sample_counts(text: str, names: tuple[str, ...]) -> dict[str, int]:
     return {name: counts[name] for name in names}
 
 
+def _progress(total: int, desc: str, unit: str, quiet: bool) -> tqdm:
+    """A progress bar on stderr. Written to a log rather than a terminal (`rollstream up` making the policy
+    with its output redirected) it still reports, every 30 s, so that minutes of SFT are not silent."""
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=quiet,
+                mininterval=0.1 if sys.stderr.isatty() else 30.0)
+
+
 def _loss_window(losses: list[float]) -> tuple[float, float]:
     """Mean loss of the first and of the last tenth of the steps (single steps are noisy)."""
     window = max(1, len(losses) // 10)
@@ -184,7 +191,7 @@ def sft(
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else encoder.eos_token_id
     per_family = Counter(d.family for d in demos).values()
     steps = settings.epochs * sum(-(-count // settings.batch_size) for count in per_family)
-    bar = tqdm(total=steps, desc="sft", unit="step", file=sys.stderr, disable=True if quiet else None)
+    bar = _progress(steps, "sft", "step", quiet)
 
     def on_step(step: int, loss: float) -> None:
         bar.set_postfix(loss=f"{loss:.3f}")
@@ -224,8 +231,7 @@ def _evaluate(out: Path, names: tuple[str, ...], evaluation: EvalSettings, encod
         engine_started = time.perf_counter()
         with serving(out, Path(work), loop.max_total_len, evaluation.engine_start_timeout_s) as engine:
             engine_s = time.perf_counter() - engine_started
-            bar = tqdm(total=len(tasks), desc="eval rollouts", unit="traj", file=sys.stderr,
-                       disable=True if quiet else None)
+            bar = _progress(len(tasks), "eval rollouts", "traj", quiet)
             eval_started = time.perf_counter()
             rollouts = asyncio.run(roll_out(engine.url, served_model(engine.url), encoder, tasks, loop, envs,
                                             evaluation.concurrency, lambda rollout: bar.update()))
