@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -13,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 
 def stop_process_group(process: subprocess.Popen, timeout_s: float) -> int:
@@ -86,7 +89,8 @@ def set_session_niceness(pid: int, nice: int, attempts: int = 20) -> bool:
     process started with start_new_session leads a session of its own, so its niceness alone weighs nothing
     against the learner's session (measured here: two CPU-bound sessions, one at nice 19, still split two
     cores 50/50; with the session niced 19, 97/3). Returns False, changing nothing, where the kernel has
-    no autogroups or the process shares our session (niceing it would nice us too)."""
+    no autogroups or the process shares our session (niceing it would nice us too), and with a warning where
+    the kernel refuses (a read-only /proc in some containers): the process then runs, at its own niceness only."""
     theirs, ours = _autogroup(pid), _autogroup("self")
     if theirs is None or ours is None or theirs[0] == ours[0]:
         return False
@@ -96,7 +100,12 @@ def set_session_niceness(pid: int, nice: int, attempts: int = 20) -> bool:
             return True
         except BlockingIOError:  # the kernel allows one change every 100 ms to unprivileged users
             time.sleep(0.1)
-    raise RuntimeError(f"could not set the session niceness of process {pid}: the kernel kept refusing (EAGAIN)")
+        except OSError as error:
+            log.warning("session of process %d left at its niceness (%s): engines.nice weighs little against "
+                        "other sessions", pid, error)
+            return False
+    log.warning("session of process %d left at its niceness: the kernel kept answering EAGAIN", pid)
+    return False
 
 
 def popen_niced(command: list[str], nice: int, **popen: Any) -> subprocess.Popen:

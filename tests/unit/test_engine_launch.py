@@ -6,8 +6,9 @@ import os
 import subprocess
 import sys
 import time
-
 from pathlib import Path
+
+import pytest
 
 from pipeline.engine.launch import popen_niced, set_session_niceness, stop_process_group
 
@@ -65,3 +66,20 @@ def test_the_session_niceness_is_left_alone_for_a_process_that_shares_our_sessio
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_kernel_that_refuses_the_session_niceness_leaves_the_process_running_with_a_warning(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # A read-only /proc (some containers) must not stop an engine from starting.
+    def refuse(self: Path, *_: object, **__: object) -> int:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        monkeypatch.setattr(Path, "write_text", refuse)
+        assert set_session_niceness(process.pid, 5) is False
+        assert process.poll() is None
+        if _autogroup_line("self") is not None:
+            assert "left at its niceness" in caplog.text
+    finally:
+        stop_process_group(process, 5)
