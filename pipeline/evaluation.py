@@ -198,17 +198,23 @@ def paired_change(before: Sequence[Trajectory], after: Sequence[Trajectory],
             "up": sum(c > 0 for c in changes), "down": sum(c < 0 for c in changes)}
 
 
+def _pairs_decide(change: Mapping[str, Any] | None) -> bool:
+    return change is not None and change["samples"] >= MIN_PAIRED_SAMPLES
+
+
+def _interval_gap(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[float, float]:
+    """(after's low - before's high, after's high - before's low): positive low or negative high = disjoint."""
+    (b_lo, b_hi), (a_lo, a_hi) = before["ci95"], after["ci95"]
+    return a_lo - b_hi, a_hi - b_lo
+
+
 def verdict(before: Mapping[str, Any], after: Mapping[str, Any] | None,
             change: Mapping[str, Any] | None = None) -> str:
     """improved / worse when the paired change's 95% interval excludes zero (at least MIN_PAIRED_SAMPLES
     samples), else when the two rounds' 95% intervals are disjoint; otherwise no clear change."""
     if after is None:
         return "not evaluated after training"
-    if change is not None and change["samples"] >= MIN_PAIRED_SAMPLES:
-        lo, hi = change["ci95"]
-    else:
-        (b_lo, b_hi), (a_lo, a_hi) = before["ci95"], after["ci95"]
-        lo, hi = a_lo - b_hi, a_hi - b_lo
+    lo, hi = change["ci95"] if _pairs_decide(change) else _interval_gap(before, after)
     if lo > 0:
         return "improved"
     if hi < 0:
@@ -234,12 +240,11 @@ def before_after(val_trajs: Iterable[Trajectory], rounds: Mapping[str, int] | No
         before = {"round": first} | proportion(by_round[first])
         after = {"round": last} | proportion(by_round[last]) if last != first else None
         change = paired_change(by_round[first], by_round[last]) if after else None
-        paired = change is not None and change["samples"] >= MIN_PAIRED_SAMPLES
-        disjoint = after is not None and (after["ci95"][0] > before["ci95"][1] or after["ci95"][1] < before["ci95"][0])
+        gap = _interval_gap(before, after) if after else (0.0, 0.0)
         out[task] = {
             "before": before, "after": after, "change": change,
-            "criterion": None if after is None else "paired change" if paired else "disjoint intervals",
-            "intervals_disjoint": disjoint,
+            "criterion": None if after is None else "paired change" if _pairs_decide(change) else "disjoint intervals",
+            "intervals_disjoint": gap[0] > 0 or gap[1] < 0,
             "p_value": two_proportion_p_value(before["successes"], before["episodes"],
                                               after["successes"], after["episodes"]) if after else None,
             "verdict": verdict(before, after, change),

@@ -321,8 +321,9 @@ def plot_before_after(table: Mapping[str, Mapping[str, Any]], path: Path, dpi: i
             ax.annotate(f"round {c['round']}\nn={c['episodes']}", (x, 100 * c["ci95"][1] + 2), ha="center",
                         va="bottom", fontsize=8)
     # Under each task its paired change and verdict: what the bars alone cannot show.
-    ax.set_xticks(range(len(tasks)), [f"{task}\npaired change {_change(table[task].get('change'))}\n{table[task]['verdict']}"
-                                      if table[task].get("change") else task for task in tasks])
+    ax.set_xticks(range(len(tasks)),
+                  [f"{task}\npaired change {format_change(table[task]['change'])}\n{table[task]['verdict']}"
+                   if table[task].get("change") else task for task in tasks])
     ax.set(title="Held-out success before vs after training (95% Wilson intervals)", xlabel="task",
            ylabel="success rate (%)", ylim=(0, 118), yticks=range(0, 101, 20))
     ax.grid(alpha=0.3, axis="y")
@@ -356,7 +357,7 @@ def _sentence(task: str, row: Mapping[str, Any]) -> str:
                 "no later round to compare with yet.")
     if row.get("criterion") == "paired change":
         change = row["change"]
-        why = (f"paired over its {change['samples']} held-out samples the change is {_change(change)} "
+        why = (f"paired over its {change['samples']} held-out samples the change is {format_change(change)} "
                f"({change['up']} samples rose, {change['down']} fell)"
                + ("; the interval excludes zero" if row["verdict"] in ("improved", "worse")
                   else "; the interval includes zero, so it is not clearly outside the noise"))
@@ -367,7 +368,7 @@ def _sentence(task: str, row: Mapping[str, Any]) -> str:
             f"(z-test p = {row['p_value']:.2g}).")
 
 
-def _change(change: Mapping[str, Any] | None) -> str:
+def format_change(change: Mapping[str, Any] | None) -> str:
     """A paired change in percentage points with its interval: "+5.6 pts [+1.7, +9.5]"."""
     if change is None:
         return "—"
@@ -407,7 +408,7 @@ def _evaluation_section(tasks: Mapping[str, Mapping[str, Any]], val: Sequence[Ev
     if evaluated:
         lines += _table(["task", "before: round: successes/episodes = rate [95% CI]", "after",
                          "change, paired per sample [95% CI]", "z-test p", "verdict"],
-                        [[task, _cell(r["before"]), _cell(r["after"]), _change(r.get("change")),
+                        [[task, _cell(r["before"]), _cell(r["after"]), format_change(r.get("change")),
                           "—" if r["p_value"] is None else f"{r['p_value']:.2g}", r["verdict"]]
                          for task, r in evaluated.items()])
     lines += [_sentence(task, row) for task, row in tasks.items()] or ["_No trajectories in this run yet._"]

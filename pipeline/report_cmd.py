@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.config import RollstreamConfig, load_config
-from pipeline.report import build_report
+from pipeline.report import build_report, format_change
 from schemas import topics
 
 # What the report reads; engines, tasks and dlq add nothing to it.
@@ -39,10 +39,7 @@ def _ci(p: Mapping[str, Any] | None) -> str:
 
 
 def _change(change: Mapping[str, Any] | None) -> str:
-    if change is None:
-        return "—"
-    lo, hi = change["ci95"]
-    return f"{100 * change['mean']:+.1f} pts [{100 * lo:+.1f}, {100 * hi:+.1f}] ({change['samples']} samples)"
+    return "—" if change is None else f"{format_change(change)} ({change['samples']} samples)"
 
 
 def print_summary(summary: Mapping[str, Any], out_dir: Path, console: Console) -> None:

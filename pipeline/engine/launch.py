@@ -72,13 +72,12 @@ class EngineProcess:
         stop_process_group(self.process, timeout_s)
 
 
-def _autogroup(pid: int | str) -> tuple[str, int] | None:
-    """(autogroup name, its niceness) of a process, from /proc/PID/autogroup; None where the kernel has none."""
+def _autogroup(pid: int | str) -> str | None:
+    """The autogroup (session) a process is scheduled in, from /proc/PID/autogroup; None where the kernel has none."""
     try:
-        name, _, nice = Path(f"/proc/{pid}/autogroup").read_text().split()
-    except (OSError, ValueError):
+        return Path(f"/proc/{pid}/autogroup").read_text().split()[0]
+    except (OSError, IndexError):
         return None
-    return name, int(nice)
 
 
 def set_session_niceness(pid: int, nice: int, attempts: int = 20) -> bool:
@@ -92,7 +91,7 @@ def set_session_niceness(pid: int, nice: int, attempts: int = 20) -> bool:
     no autogroups or the process shares our session (niceing it would nice us too), and with a warning where
     the kernel refuses (a read-only /proc in some containers): the process then runs, at its own niceness only."""
     theirs, ours = _autogroup(pid), _autogroup("self")
-    if theirs is None or ours is None or theirs[0] == ours[0]:
+    if theirs is None or ours is None or theirs == ours:
         return False
     for _ in range(attempts):
         try:
