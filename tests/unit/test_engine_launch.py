@@ -37,8 +37,10 @@ def test_nice_zero_leaves_the_priority_alone() -> None:
 
 
 def _autogroup_line(pid: int | str) -> str | None:
+    # Empty where the kernel has the file but does not schedule the process by autogroup (a process in a
+    # cgroup of its own, as in many containers, CI machines among them): the same as no file.
     path = Path(f"/proc/{pid}/autogroup")
-    return path.read_text().strip() if path.exists() else None
+    return (path.read_text().strip() or None) if path.exists() else None
 
 
 def test_a_niced_process_in_a_session_of_its_own_gets_a_niced_session_where_the_kernel_schedules_by_session() -> None:
