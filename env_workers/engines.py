@@ -3,7 +3,10 @@
 `choose_engine` is the pure rule: the least-loaded usable engine of the planned pool, else of the
 current pool (DESIGN.md: "falling back to the current pool when the planned pool is
 unavailable"); alive = healthy with a fresh heartbeat (static engines have none to go stale);
-engines backing off after a failed request come last. `EnginePool` keeps the states and one `EngineClient`
+engines backing off after a failed request come last. Within a pool an engine that is not busy
+(a weight update or a group join holds an engine's new requests back) comes before one that is; a busy
+engine is still used when its pool has no other, since it serves again within seconds (one busy too
+long says healthy=false in its heartbeat, pipeline/engine/heartbeat.py). `EnginePool` keeps the states and one `EngineClient`
 per engine and is what the worker asks; the agent loop records the pool actually used.
 
 Seeded sampling: vLLM accepts a per-request `seed`. A seed derived from the trajectory id and the
@@ -42,6 +45,7 @@ class EngineState:
     static: bool = False
     in_flight: int = 0
     avoid_until_ms: int = 0
+    busy: bool = False
 
 
 def choose_engine(engines: Iterable[EngineState], planned: str, now_ms: int, heartbeat_timeout_ms: int) -> EngineState | None:
@@ -49,14 +53,14 @@ def choose_engine(engines: Iterable[EngineState], planned: str, now_ms: int, hea
 
     Order: the planned pool, then the current pool, among engines not backing off after a failure;
     then the same among those backing off (a lone engine that just failed is still worth a retry).
-    Within a tier, fewest in-flight requests first, ties by id.
+    Within a tier, engines not busy first, then fewest in-flight requests, ties by id.
     """
     alive = [e for e in engines if e.healthy and (e.static or now_ms - e.seen_ms <= heartbeat_timeout_ms)]
     for backing_off in (False, True):
         for pool in dict.fromkeys((planned, CURRENT)):
             candidates = [e for e in alive if e.pool == pool and (now_ms < e.avoid_until_ms) == backing_off]
             if candidates:
-                return min(candidates, key=lambda e: (e.in_flight, e.engine_id))
+                return min(candidates, key=lambda e: (e.busy, e.in_flight, e.engine_id))
     return None
 
 
@@ -104,7 +108,7 @@ class EnginePool:
             heartbeat["engine_id"], heartbeat["pool"], heartbeat["url"], heartbeat["model"],
             loaded_version=int(heartbeat["loaded_version"]), healthy=bool(heartbeat["healthy"]),
             seen_ms=int(heartbeat["sent_at_ms"]), in_flight=old.in_flight if old else 0,
-            avoid_until_ms=old.avoid_until_ms if old else 0,
+            avoid_until_ms=old.avoid_until_ms if old else 0, busy=bool(heartbeat.get("busy", "")),
         ))
 
     def _upsert(self, state: EngineState) -> None:

@@ -26,7 +26,7 @@ import httpx
 import typer
 from minio import Minio
 from minio.error import S3Error
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from learner.manifest import ShardIntegrityError
 from pipeline.config import load_config
@@ -57,6 +57,9 @@ class EngineSettings(BaseModel):
     """Seconds between heartbeats (not in the paper): an unanswering engine is flagged within this plus the probe timeout."""
     probe_timeout_s: float = 2.0
     """HTTP timeout of each health probe (not in the paper)."""
+    stall_after_s: float = Field(300.0, gt=0)
+    """An engine busy with one weight update or group join longer than this is reported unhealthy until it
+    ends (not in the paper): it answers probes but serves nothing, e.g. a broadcast whose learner is gone."""
     kv_cache_space_gib: int = 1
     """vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's CPU default share of memory refuses to start on small hosts."""
     start_timeout_s: float = 600.0
@@ -150,6 +153,8 @@ def engine(
     stale_step: int = typer.Option(EngineSettings().stale_step, "--stale-step", help="Stale pool refresh period."),
     max_model_len: int = typer.Option(EngineSettings().max_model_len, "--max-model-len", help="Longest sequence."),
     heartbeat_s: float = typer.Option(EngineSettings().heartbeat_interval_s, "--heartbeat-s", help="Heartbeat period."),
+    stall_after_s: float = typer.Option(EngineSettings().stall_after_s, "--stall-after-s",
+                                        help="Busy with one update or join longer than this: reported unhealthy."),
     work_dir: Path = typer.Option(Path(".run/engines"), "--work-dir", help="Where staged versions are downloaded."),
     config: Path | None = typer.Option(None, "--config", help="YAML run configuration."),
 ) -> None:
@@ -161,7 +166,7 @@ def engine(
         typer.echo(f"rollstream engine: {model} is not a Hugging Face checkpoint (no config.json)", err=True)
         raise typer.Exit(code=2)
     settings = EngineSettings(pool=pool.value, stale_step=stale_step, max_model_len=max_model_len,
-                              heartbeat_interval_s=heartbeat_s)
+                              heartbeat_interval_s=heartbeat_s, stall_after_s=stall_after_s)
     cfg = load_config(config)
     run = run or cfg.run
     engine_id = engine_id or f"{pool.value}-{port}"
@@ -201,7 +206,8 @@ def engine(
                                   download_root=work_dir / engine_id)
         heartbeat = Heartbeat(producer, engine_id=engine_id, run=run, pool=pool.value, url=advertise_url or url, model=str(model),
                               interval_s=settings.heartbeat_interval_s, probe_timeout_s=settings.probe_timeout_s,
-                              initial_version=initial_version, extra_detail=lambda: follower.last_error)
+                              initial_version=initial_version, stall_after_s=settings.stall_after_s,
+                              extra_detail=lambda: follower.last_error)
         heartbeat.start()
         while not stopping["flag"] and server.poll() is None:
             follower.poll_once(1.0)

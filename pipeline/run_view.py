@@ -117,7 +117,7 @@ class RunView:
             "validation": {r: {"requested": n, "done": len(self.validation_done.get(r, []))}
                            for r, n in sorted(self.validation_requested.items())},
             "engines": {e: {"pool": h["pool"], "version": h["loaded_version"], "queue": h["queue_depth"],
-                            "healthy": h["healthy"]} for e, h in sorted(self.engines.items())},
+                            "healthy": h["healthy"], "busy": h.get("busy", "")} for e, h in sorted(self.engines.items())},
         }
 
 
@@ -150,9 +150,10 @@ def render(snap: Mapping[str, Any], title: str) -> Group:
         parts.append(val)
     if snap["engines"]:
         eng = Table(title="engines")
-        for col in ("engine", "pool", "version", "queue", "healthy"):
+        for col in ("engine", "pool", "version", "queue", "healthy", "busy"):
             eng.add_column(col)
         for e, h in snap["engines"].items():
-            eng.add_row(e, h["pool"], str(h["version"]), str(h["queue"]), "yes" if h["healthy"] else "NO")
+            eng.add_row(e, h["pool"], str(h["version"]), str(h["queue"]), "yes" if h["healthy"] else "NO",
+                        h["busy"] or "—")
         parts.append(eng)
     return Group(*parts)

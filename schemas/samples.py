@@ -80,7 +80,7 @@ def weight_version() -> dict[str, Any]:
 def engine_heartbeat() -> dict[str, Any]:
     return {"engine_id": "engine-current-0", "pool": "current", "url": "http://127.0.0.1:8100",
             "model": "/models/default", "loaded_version": 6, "queue_depth": 2, "running": 30, "healthy": True,
-            "detail": "", "sent_at_ms": T0 + 2100, "run": "example"}
+            "detail": "", "sent_at_ms": T0 + 2100, "run": "example", "busy": "", "busy_for_ms": 0}
 
 
 def metric() -> dict[str, Any]:

@@ -6,6 +6,11 @@ over HTTP (`/health`, `/rollstream/state`, `/metrics`) with a short timeout. So 
 hangs or dies is still reported: the next heartbeat (every `interval_s`) says healthy=false with
 the probe's error, which is how an engine that stops answering is marked unhealthy within
 `interval_s + probe_timeout_s` seconds.
+
+An engine can answer and still serve nothing: while an update drains, loads or receives, or its
+worker joins a weight-sync group, requests wait. The heartbeat says so (`busy`, `busy_for_ms`), and
+one busy for longer than `stall_after_s` (a collective whose peer is gone blocks until its timeout)
+is reported unhealthy until the work ends, so routing stops sending it turns.
 """
 
 from __future__ import annotations
@@ -44,6 +49,8 @@ class Probe:
     waiting: int
     running: int
     detail: str
+    busy: str = ""
+    busy_for_s: float = 0.0
 
 
 def probe(url: str, timeout_s: float) -> Probe:
@@ -59,15 +66,21 @@ def probe(url: str, timeout_s: float) -> Probe:
     detail = f"last update refused: {state['last_error']}" if state.get("last_error") else ""
     # Requests held at the update gate are not in vLLM's queue yet, but they are waiting.
     return Probe(True, int(state["version"]), waiting + (state["in_flight"] if state["updating"] else 0),
-                 running, detail)
+                 running, detail, busy=state.get("busy", ""), busy_for_s=float(state.get("busy_for_s", 0.0)))
 
 
 def heartbeat_event(*, engine_id: str, pool: str, url: str, model: str, run: str, loaded_version: int,
-                    probe: Probe, sent_at_ms: int, detail: str = "") -> dict[str, Any]:
-    """The engine_heartbeat event (schemas/avro/engine_heartbeat.avsc)."""
+                    probe: Probe, sent_at_ms: int, detail: str = "", stall_after_s: float = float("inf")) -> dict[str, Any]:
+    """The engine_heartbeat event (schemas/avro/engine_heartbeat.avsc). An engine busy (see Probe.busy)
+    for longer than `stall_after_s` is reported unhealthy: it answers, but serves nothing."""
+    stalled = bool(probe.busy) and probe.busy_for_s > stall_after_s
+    notes = [probe.detail, detail]
+    if probe.busy:
+        notes.append(f"{'stalled: ' if stalled else ''}busy ({probe.busy}) for {probe.busy_for_s:.0f} s")
     return {"engine_id": engine_id, "pool": pool, "url": url, "model": model, "loaded_version": loaded_version,
-            "queue_depth": probe.waiting, "running": probe.running, "healthy": probe.healthy,
-            "detail": "; ".join(d for d in (probe.detail, detail) if d), "sent_at_ms": sent_at_ms, "run": run}
+            "queue_depth": probe.waiting, "running": probe.running, "healthy": probe.healthy and not stalled,
+            "detail": "; ".join(d for d in notes if d), "sent_at_ms": sent_at_ms, "run": run,
+            "busy": probe.busy, "busy_for_ms": int(probe.busy_for_s * 1000)}
 
 
 class Heartbeat:
@@ -76,15 +89,18 @@ class Heartbeat:
     `loaded_version` is the server's own answer when it answers, else the last one known.
     `extra_detail` lets the owner add its state (e.g. the last staged download that failed).
     `run` is the run whose weights the engine follows ("": none in particular, offered to every run).
+    `stall_after_s`: how long the engine may be busy with one update or join before it is reported unhealthy.
     """
 
     def __init__(self, producer: EventProducer, *, engine_id: str, pool: str, url: str, model: str,
                  interval_s: float, probe_timeout_s: float, initial_version: int, run: str = "",
-                 extra_detail: Callable[[], str] = str, clock: Callable[[], float] = time.time) -> None:
+                 stall_after_s: float = float("inf"), extra_detail: Callable[[], str] = str,
+                 clock: Callable[[], float] = time.time) -> None:
         self._producer = producer
         self._fields = {"engine_id": engine_id, "pool": pool, "url": url, "model": model, "run": run}
         self._interval_s = interval_s
         self._probe_timeout_s = probe_timeout_s
+        self._stall_after_s = stall_after_s
         self._extra_detail = extra_detail
         self._clock = clock
         self.loaded_version = initial_version
@@ -97,7 +113,8 @@ class Heartbeat:
         if seen.version is not None:
             self.loaded_version = seen.version
         event = heartbeat_event(**self._fields, loaded_version=self.loaded_version, probe=seen,
-                                sent_at_ms=int(self._clock() * 1000), detail=self._extra_detail())
+                                sent_at_ms=int(self._clock() * 1000), detail=self._extra_detail(),
+                                stall_after_s=self._stall_after_s)
         self._producer.send(topics.ENGINES, event, key=self._fields["engine_id"])
         self._producer.poll(0)
         return event

@@ -65,6 +65,8 @@ class UpdateState:
     in_flight: int = 0
     updating: bool = False
     last_error: str = ""
+    busy: str = ""  # what holds requests back: "drain", "load", "receive", "join"; "" when nothing does
+    busy_since: float = 0.0  # time.monotonic() when `busy` began
     open: asyncio.Event = field(default_factory=asyncio.Event)  # set while requests may enter
     idle: asyncio.Event = field(default_factory=asyncio.Event)  # set while none is in flight
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -72,6 +74,17 @@ class UpdateState:
     def __post_init__(self) -> None:
         self.open.set()
         self.idle.set()
+
+    def set_busy(self, what: str) -> None:
+        """Marks the start of a piece of work that holds requests back ("" when it ends): a worker
+        blocked in a collective still answers /health, so this is how a heartbeat can tell."""
+        self.busy, self.busy_since = what, time.monotonic()
+
+    def snapshot(self) -> dict[str, Any]:
+        """The /rollstream/state answer."""
+        busy_for_s = time.monotonic() - self.busy_since if self.busy else 0.0
+        return {"version": self.version, "updating": self.updating, "in_flight": self.in_flight,
+                "last_error": self.last_error, "busy": self.busy, "busy_for_s": round(busy_for_s, 3)}
 
 
 async def _read_json(receive: Receive) -> dict[str, Any]:
@@ -139,8 +152,7 @@ class WeightVersionMiddleware:
     async def _control(self, scope: Scope, receive: Receive, send: Send, state: UpdateState) -> None:
         route = scope["path"].removeprefix(CONTROL_PREFIX)
         if route == "state":
-            await _respond(send, 200, {"version": state.version, "updating": state.updating,
-                                       "in_flight": state.in_flight, "last_error": state.last_error}, state.version)
+            await _respond(send, 200, state.snapshot(), state.version)
             return
         if scope["method"] != "POST" or route not in ("load", "join", "receive"):
             await _respond(send, 404, {"error": f"no control route {scope['method']} {scope['path']}"}, state.version)
@@ -152,9 +164,14 @@ class WeightVersionMiddleware:
             return
         engine = scope["app"].state.engine_client
         if route == "join":
-            # Joining loads nothing, so it does not close the gate; it blocks until all ranks join.
-            result = await engine.collective_rpc("rollstream_join", kwargs={
-                k: body[k] for k in ("host", "port", "rank", "world_size", "backend", "timeout_s") if k in body})
+            # Joining loads nothing, so it does not close the gate; it blocks until all ranks join, and
+            # the worker serves nothing meanwhile.
+            state.set_busy("join")
+            try:
+                result = await engine.collective_rpc("rollstream_join", kwargs={
+                    k: body[k] for k in ("host", "port", "rank", "world_size", "backend", "timeout_s") if k in body})
+            finally:
+                state.set_busy("")
             await self._answer(send, state, result[0])
             return
         if route == "load":
@@ -178,8 +195,10 @@ class WeightVersionMiddleware:
             state.open.clear()
             waited_for = state.in_flight  # requests the update lets finish on the old weights
             try:
+                state.set_busy("drain")
                 await state.idle.wait()  # the requests in flight finish on the old weights
                 drained = time.perf_counter()
+                state.set_busy("load" if method == "rollstream_load_dir" else "receive")
                 result = (await engine.collective_rpc(method, kwargs=kwargs))[0]
                 if result.get("ok"):
                     # Cached prefixes hold KV computed by the old weights.
@@ -192,4 +211,5 @@ class WeightVersionMiddleware:
                         "update_s": time.perf_counter() - started}
             finally:
                 state.updating = False
+                state.set_busy("")
                 state.open.set()

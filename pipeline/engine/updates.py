@@ -119,7 +119,7 @@ class EngineControl:
         return payload
 
     def state(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        """{"version", "updating", "in_flight", "last_error"}."""
+        """{"version", "updating", "in_flight", "last_error", "busy", "busy_for_s"} (server.UpdateState.snapshot)."""
         response = httpx.get(f"{self.base_url}/rollstream/state", timeout=timeout_s)
         response.raise_for_status()
         return response.json()

@@ -52,6 +52,7 @@ PROMPT = [257, 104, 101, 108, 108, 111]  # <|im_start|> then "hello" as bytes
 MAX_SHARD_BYTES = 256 * 1024  # several shards even for the tiny model
 BUCKET_BYTES = 128 * 1024  # several broadcast buckets
 HEARTBEAT_S = 1.0
+STALL_S = 4.0  # the engine's --stall-after-s: busy longer than this with one update or join reads unhealthy
 
 
 @dataclass
@@ -76,7 +77,7 @@ def engine(infra, tmp_path_factory) -> Iterator[Engine]:
     log_path = model_dir.parent / "engine.log"
     command = [sys.executable, "-m", "pipeline.engine_cmd", "--pool", "current", "--model", str(model_dir),
                "--port", str(port), "--engine-id", engine_id, "--run", run, "--max-model-len", "2048",
-               "--heartbeat-s", str(HEARTBEAT_S), "--work-dir", str(model_dir.parent / "engines")]
+               "--heartbeat-s", str(HEARTBEAT_S), "--stall-after-s", str(STALL_S), "--work-dir", str(model_dir.parent / "engines")]
     started = time.monotonic()
     with open(log_path, "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
@@ -335,13 +336,35 @@ def test_engine_that_stops_answering_is_marked_unhealthy_within_seconds(engine):
 def test_a_join_whose_rendezvous_never_forms_gives_up_within_its_timeout_and_the_engine_serves_again(engine):
     # make run once stalled here: the learner could not listen on the stale pool's port, and the
     # engine's worker sat in the join for its default 300 s (then retried), generating nothing.
+    # While it waits, the engine answers probes but serves nothing: its heartbeat says busy, and past
+    # the stall bound unhealthy, so routing stops sending it turns.
     port = free_port()  # nobody listens on it
     started = time.monotonic()
-    with pytest.raises(UpdateRefused, match="joining the weight-sync group failed"):
-        EngineControl(engine.url).join("127.0.0.1", port, rank=1, world_size=2, timeout_s=5.0)
+    refused: list[BaseException] = []
+
+    def join() -> None:
+        try:
+            EngineControl(engine.url).join("127.0.0.1", port, rank=1, world_size=2, timeout_s=3 * STALL_S)
+        except UpdateRefused as error:
+            refused.append(error)
+
+    joining = threading.Thread(target=join)
+    joining.start()
+    try:
+        stalled = _heartbeat(engine, lambda b: not b["healthy"], 3 * STALL_S)
+        stalled_s = time.monotonic() - started
+    finally:
+        joining.join()
     gave_up_s = time.monotonic() - started
-    print(f"\njoin without a rendezvous gave up after {gave_up_s:.1f} s", file=sys.stderr)
+    print(f"\njoin without a rendezvous: heartbeat unhealthy after {stalled_s:.1f} s ({stalled['detail']}), "
+          f"gave up after {gave_up_s:.1f} s", file=sys.stderr)
+    assert stalled["busy"] == "join" and stalled["busy_for_ms"] > STALL_S * 1000
+    assert "stalled: busy (join)" in stalled["detail"]
+    assert STALL_S <= stalled_s < gave_up_s
+    assert len(refused) == 1 and "joining the weight-sync group failed" in str(refused[0])
     assert gave_up_s < 60
+    recovered = _heartbeat(engine, lambda b: b["healthy"], 15)
+    assert (recovered["busy"], recovered["busy_for_ms"]) == ("", 0)
     ids, version = _engine_greedy(engine, PROMPT, 8)
     assert len(ids) == 8 and version == _state(engine)["version"]
 

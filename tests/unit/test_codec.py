@@ -54,9 +54,15 @@ def test_event_written_with_the_previous_trajectory_schema_still_decodes():
 
 
 def test_heartbeat_written_before_heartbeats_carried_a_run_decodes_with_an_empty_run():
-    old = {k: v for k, v in samples.engine_heartbeat().items() if k != "run"}
+    old = {k: v for k, v in samples.engine_heartbeat().items() if k not in ("run", "busy", "busy_for_ms")}
     data = codec().encode("engine_heartbeat", old, schema_version=1)
-    assert codec().decode(data, "engine_heartbeat") == {**old, "run": ""}
+    assert codec().decode(data, "engine_heartbeat") == {**old, "run": "", "busy": "", "busy_for_ms": 0}
+
+
+def test_heartbeat_written_before_heartbeats_said_the_engine_was_busy_decodes_as_not_busy():
+    old = {k: v for k, v in samples.engine_heartbeat().items() if k not in ("busy", "busy_for_ms")}
+    data = codec().encode("engine_heartbeat", old, schema_version=2)
+    assert codec().decode(data, "engine_heartbeat") == {**old, "busy": "", "busy_for_ms": 0}
 
 
 def test_every_history_schema_differs_from_the_current_one_only_by_added_fields_with_defaults():

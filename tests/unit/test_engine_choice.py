@@ -31,6 +31,23 @@ def test_least_loaded_engine_of_the_pool_is_chosen():
     assert choose_engine(engines, "current", NOW, TIMEOUT).engine_id == "c1"
 
 
+def test_an_engine_busy_with_an_update_is_passed_over_for_an_idle_one_of_the_same_pool_but_still_used_alone():
+    busy = engine("c0", "current", busy=True)
+    assert choose_engine([busy, engine("c1", "current", in_flight=9)], "current", NOW, TIMEOUT).engine_id == "c1"
+    assert choose_engine([busy], "current", NOW, TIMEOUT).engine_id == "c0"
+    # A busy stale engine still takes its stale turn: the plan's pool share is kept, the turn waits seconds.
+    assert choose_engine([engine("s0", "stale", busy=True), engine("c1", "current")], "stale", NOW,
+                         TIMEOUT).engine_id == "s0"
+
+
+def test_a_heartbeat_saying_busy_marks_the_engine_busy_until_one_says_otherwise():
+    pool = _pool("r1")
+    pool.update({**samples.engine_heartbeat(), "run": "r1", "sent_at_ms": NOW, "busy": "receive", "busy_for_ms": 800})
+    assert pool.states["engine-current-0"].busy
+    pool.update({**samples.engine_heartbeat(), "run": "r1", "sent_at_ms": NOW})
+    assert not pool.states["engine-current-0"].busy
+
+
 def test_engine_backing_off_is_used_only_when_nothing_else_is_alive():
     failed = engine("c0", "current", avoid_until_ms=NOW + 1)
     assert choose_engine([failed, engine("c1", "current", in_flight=9)], "current", NOW, TIMEOUT).engine_id == "c1"
