@@ -194,7 +194,7 @@ def sft(
     bar = _progress(steps, "sft", "step", quiet)
 
     def on_step(step: int, loss: float) -> None:
-        bar.set_postfix(loss=f"{loss:.3f}")
+        bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # refresh=True would redraw every step, ignoring mininterval
         bar.update()
 
     train_started = time.perf_counter()
