@@ -15,6 +15,11 @@ class LearnerSettings(BaseModel):
 
     lr: float = Field(1e-6, gt=0)
     """AdamW learning rate, AgentRL's 1e-6."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """Optimizer steps over which the learning rate rises linearly to `lr` (step k of them uses
+    lr * k / lr_warmup_steps); 0: none, verl's default (lr_warmup_steps_ratio 0) that AgentRL keeps.
+    AdamW's first steps move every weight by about lr whatever the gradient's noise, so a short run
+    of few steps is dominated by them unless they are warmed up."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay, 0 as in AgentRL's actor config."""
     adam_betas: tuple[float, float] = (0.9, 0.999)

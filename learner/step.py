@@ -51,6 +51,24 @@ def make_optimizer(model: torch.nn.Module, settings: LearnerSettings) -> torch.o
     )
 
 
+def warmup_lr(settings: LearnerSettings, steps_taken: int) -> float:
+    """The learning rate of the step after `steps_taken` optimizer steps: linear warmup, then `lr`."""
+    if steps_taken >= settings.lr_warmup_steps:
+        return settings.lr
+    return settings.lr * (steps_taken + 1) / settings.lr_warmup_steps
+
+
+def steps_taken(optimizer: torch.optim.Optimizer) -> int:
+    """Optimizer steps taken so far, from the optimizer's own state (so a resumed learner, whose
+    optimizer state comes from its checkpoint, continues the schedule where it stopped)."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if step is not None:
+                return int(step)
+    return 0
+
+
 def _device_of(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
@@ -148,7 +166,10 @@ def train_step(
     grad_norm_value = _total_norm(grad_norm)
     # A non-finite norm would write NaN into every weight; verl skips such a step, and so do we.
     step_skipped = not math.isfinite(grad_norm_value)
+    lr = warmup_lr(settings, steps_taken(optimizer))
     if not step_skipped:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     actor_done = clock()
@@ -158,6 +179,7 @@ def train_step(
         {
             "actor/grad_norm": grad_norm_value,
             "actor/step_skipped": float(step_skipped),
+            "actor/lr": lr,
             "actor/action_tokens": float(global_action_tokens),
             "actor/tokens": float(sum(int(mb.attention_mask.sum()) for mb in micro_batches)),
             "actor/micro_batches": float(len(micro_batches)),

@@ -11,7 +11,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from learner.loss import next_token_logits, token_logprobs
 from learner.settings import LearnerSettings
-from learner.step import make_optimizer, train_step
+from learner.step import make_optimizer, steps_taken, train_step, warmup_lr
 
 TEMPERATURE = 0.8
 
@@ -154,3 +154,24 @@ def test_a_batch_encoded_with_another_chat_template_is_refused_by_name():
     check_template({**batch, "items": batch["items"][:1]}, "a" * 64)
     with pytest.raises(TemplateMismatch, match=r"batch b1: 1 trajectories \(e.g. t2\)"):
         check_template(batch, "a" * 64)
+
+
+def test_the_learning_rate_rises_linearly_over_the_warmup_steps_then_stays_at_lr():
+    settings = LearnerSettings(lr=1e-4, lr_warmup_steps=4)
+    assert [warmup_lr(settings, k) for k in range(6)] == pytest.approx([2.5e-5, 5e-5, 7.5e-5, 1e-4, 1e-4, 1e-4])
+    assert warmup_lr(LearnerSettings(lr=1e-4), 0) == 1e-4  # no warmup: lr from the first step
+
+
+def test_the_warmup_follows_the_optimizers_own_step_count_so_a_resumed_learner_continues_it():
+    settings = LearnerSettings(lr=1e-3, lr_warmup_steps=3, max_tokens_per_micro_batch=48)
+    model = tiny_model()
+    ref = copy.deepcopy(model)
+    optimizer = make_optimizer(model, settings)
+    items = on_policy_batch(model, [1.0, -1.0])
+    lrs = [train_step(model, ref, optimizer, items, settings)["actor/lr"] for _ in range(2)]
+    assert lrs == pytest.approx([1e-3 / 3, 2e-3 / 3]) and steps_taken(optimizer) == 2
+
+    resumed = copy.deepcopy(model)  # a learner restarted from a checkpoint of model and optimizer
+    restored = make_optimizer(resumed, settings)
+    restored.load_state_dict(optimizer.state_dict())
+    assert train_step(resumed, ref, restored, items, settings)["actor/lr"] == pytest.approx(1e-3)
