@@ -304,7 +304,7 @@ def plot_learner(series: Mapping[str, tuple[list[int], list[float]]], path: Path
 
 
 def plot_before_after(table: Mapping[str, Mapping[str, Any]], path: Path, dpi: int) -> None:
-    fig = Figure(figsize=(max(6, 1.8 * len(table) + 3), 4.8), layout="constrained")
+    fig = Figure(figsize=(max(6, 2.4 * len(table) + 2), 4.8), layout="constrained")
     ax = fig.subplots()
     tasks, bar = list(table), 0.38
     for offset, side, color in ((-bar / 2, "before", "tab:gray"), (bar / 2, "after", "tab:orange")):
@@ -322,7 +322,7 @@ def plot_before_after(table: Mapping[str, Mapping[str, Any]], path: Path, dpi: i
                         va="bottom", fontsize=8)
     # Under each task its paired change and verdict: what the bars alone cannot show.
     ax.set_xticks(range(len(tasks)),
-                  [f"{task}\npaired change {format_change(table[task]['change'])}\n{table[task]['verdict']}"
+                  [f"{task}\npaired change\n{format_change(table[task]['change'])}\n{table[task]['verdict']}"
                    if table[task].get("change") else task for task in tasks])
     ax.set(title="Held-out success before vs after training (95% Wilson intervals)", xlabel="task",
            ylabel="success rate (%)", ylim=(0, 118), yticks=range(0, 101, 20))
