@@ -63,7 +63,6 @@ class UpdateState:
 
     version: int
     in_flight: int = 0
-    updating: bool = False
     last_error: str = ""
     busy: str = ""  # what holds requests back: "drain", "load", "receive", "join"; "" when nothing does
     busy_since: float = 0.0  # time.monotonic() when `busy` began
@@ -74,6 +73,11 @@ class UpdateState:
     def __post_init__(self) -> None:
         self.open.set()
         self.idle.set()
+
+    @property
+    def updating(self) -> bool:
+        """An update holds the gate closed: it drains, then loads or receives (a join does not close it)."""
+        return self.busy in ("drain", "load", "receive")
 
     def set_busy(self, what: str) -> None:
         """Marks the start of a piece of work that holds requests back ("" when it ends): a worker
@@ -191,11 +195,10 @@ class WeightVersionMiddleware:
                       kwargs: dict[str, Any]) -> dict[str, Any]:
         async with state.lock:
             started = time.perf_counter()
-            state.updating = True
+            state.set_busy("drain")  # `updating` from here: the gate closes
             state.open.clear()
             waited_for = state.in_flight  # requests the update lets finish on the old weights
             try:
-                state.set_busy("drain")
                 await state.idle.wait()  # the requests in flight finish on the old weights
                 drained = time.perf_counter()
                 state.set_busy("load" if method == "rollstream_load_dir" else "receive")
@@ -210,6 +213,5 @@ class WeightVersionMiddleware:
                 return {**result, "drained_requests": waited_for, "drain_s": drained - started,
                         "update_s": time.perf_counter() - started}
             finally:
-                state.updating = False
                 state.set_busy("")
                 state.open.set()
