@@ -88,10 +88,16 @@ def set_session_niceness(pid: int, nice: int, attempts: int = 20) -> bool:
     process started with start_new_session leads a session of its own, so its niceness alone weighs nothing
     against the learner's session (measured here: two CPU-bound sessions, one at nice 19, still split two
     cores 50/50; with the session niced 19, 97/3). Returns False, changing nothing, where the kernel has
-    no autogroups or the process shares our session (niceing it would nice us too), and with a warning where
-    the kernel refuses (a read-only /proc in some containers): the process then runs, at its own niceness only."""
+    autogroup for the process or it shares our session (niceing it would nice us too), and with a warning
+    where the kernel refuses (a read-only /proc in some containers): the process then runs, at its own niceness
+    only. We need no autogroup of our own: in a container's cgroup our file reads empty while a session we
+    start can still get an autogroup (seen on a CI machine), and niceing that one leaves us alone."""
     theirs, ours = _autogroup(pid), _autogroup("self")
-    if theirs is None or ours is None or theirs == ours:
+    try:
+        same_session = os.getsid(pid) == os.getsid(0)
+    except ProcessLookupError:
+        return False
+    if theirs is None or theirs == ours or same_session:
         return False
     for _ in range(attempts):
         try:
