@@ -3,7 +3,8 @@
 Per batch, in this order (DESIGN.md, "Delivery guarantees"):
 
     wait     poll `batches`; skip other runs' batches and batches already applied (by id); fetch a
-             claim-checked batch whole from MinIO
+             claim-checked batch whole from MinIO, and the items' token arrays from the
+             `trajectories` events they refer to
     train    one optimizer step on the whole batch (learner/step.py, on one rank or several)
     publish  fast path (the pluggable broadcaster, none by default), then stage the version in
              MinIO (shards, then manifest)
@@ -36,8 +37,9 @@ from minio import Minio
 from learner import checkpoint, publish
 from learner.microbatch import BatchItem
 from learner.settings import LearnerSettings
-from schemas import arrays, objectstore, topics
+from schemas import arrays, eventref, objectstore, topics
 from schemas.bus import ConsumedEvent, EventConsumer, EventProducer
+from schemas.codec import codec
 from schemas.settings import KafkaSettings
 
 log = logging.getLogger("rollstream.learner")
@@ -118,18 +120,38 @@ def plan_resume(
     return ResumePlan(resumed, False, False, lost)
 
 
+class ReferenceMismatch(ValueError):
+    """A batch item's arrays_uri refers to an event of another trajectory."""
+
+
+def array_refs(batch: Mapping[str, Any]) -> list[str]:
+    """The `trajectories` events a batch's trained items keep their token arrays in."""
+    return [i["trajectory"]["arrays_uri"] for i in batch["items"]
+            if not i["trajectory"]["validation"] and eventref.is_ref(i["trajectory"]["arrays_uri"])]
+
+
 def batch_items(batch: Mapping[str, Any], fetch: Callable[[str], bytes]) -> list[BatchItem]:
     """The training content of a `batches` event; validation trajectories are never trained on.
 
-    Arrays offloaded to the object store (arrays_uri: an .npz) are fetched with `fetch(uri)`.
+    Arrays not inline are fetched with `fetch(uri)`: from the `trajectories` event an item refers to
+    (kafka://, what the stream processor sends: the event's raw value), or from the object store
+    (s3://, an .npz offloaded by the env worker).
     """
     items: list[BatchItem] = []
     for item in batch["items"]:
         t = item["trajectory"]
         if t["validation"]:
             continue
-        if t["arrays_uri"] is not None:
-            with np.load(io.BytesIO(fetch(t["arrays_uri"]))) as npz:
+        uri = t["arrays_uri"]
+        if eventref.is_ref(uri):
+            source = codec().decode(fetch(uri), "trajectory")
+            if source["trajectory_id"] != t["trajectory_id"]:
+                raise ReferenceMismatch(f"item {t['trajectory_id']} of batch {batch['batch_id']} refers to {uri}, "
+                                        f"an event of trajectory {source['trajectory_id']}")
+            t = source
+            uri = t["arrays_uri"]
+        if uri is not None:
+            with np.load(io.BytesIO(fetch(uri))) as npz:
                 ids, mask, logprobs = npz["input_ids"], npz["loss_mask"], npz["rollout_logprobs"]
         else:
             ids = arrays.unpack_ids(t["input_ids"])
@@ -222,9 +244,18 @@ class LearnerLoop:
     wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)
     aliases: frozenset[str] = field(init=False)
     """Tied tensors' second names (lm_head.weight): never published, the first name carries them."""
+    _events: dict[str, bytes] = field(init=False, default_factory=dict)
+    """The `trajectories` events of the batch being read, by reference (array_refs)."""
+    _event_fetcher: eventref.EventFetcher | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.aliases = publish.tied_aliases(self.model)
+
+    @property
+    def _fetcher(self) -> eventref.EventFetcher:
+        if self._event_fetcher is None:
+            self._event_fetcher = eventref.EventFetcher(self.kafka)
+        return self._event_fetcher
 
     def start(self, *, resume: bool) -> checkpoint.TrainingState:
         """Loads the checkpoint (with --resume), reconciles it with the run's `weights` history,
@@ -289,7 +320,10 @@ class LearnerLoop:
                 batch = objectstore.resolve_claim_check(batch, topics.EVENT_OF_TOPIC[topics.BATCHES], self._fetch)
                 if self.template_fingerprint is not None:
                     check_template(batch, self.template_fingerprint)
+                # the token arrays stay in `trajectories`: read in one pass per partition, not one seek each
+                self._events = self._fetcher.fetch_many(array_refs(batch))
                 items = batch_items(batch, self._fetch)
+                self._events = {}
                 if not any(int(mask.sum()) for _, mask, _, _ in items):
                     log.warning("skipping batch %s (index %d): no action tokens to train on",
                                 batch["batch_id"], batch["index"])
@@ -321,6 +355,9 @@ class LearnerLoop:
                 self._checkpoint(state)
         finally:
             consumer.close()
+            if self._event_fetcher is not None:
+                self._event_fetcher.close()
+                self._event_fetcher = None
         return state
 
     def _done(self, state: checkpoint.TrainingState) -> bool:
@@ -330,6 +367,8 @@ class LearnerLoop:
         return self.max_steps is not None and state.step >= self.max_steps
 
     def _fetch(self, uri: str) -> bytes:
+        if eventref.is_ref(uri):
+            return self._events[uri] if uri in self._events else self._fetcher.fetch(uri)
         return objectstore.get_bytes(self.mc, *objectstore.parse_uri(uri))
 
     def _publish(self, state: checkpoint.TrainingState, *, batch_id: str | None, checkpoint_now: bool,

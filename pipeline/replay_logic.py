@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas import topics
+from schemas import eventref, topics
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
 from schemas.codec import codec
 from streams.settings import StdKind, StreamsSettings
@@ -710,14 +710,28 @@ def _check_trajectories(trajectories: list[Mapping[str, Any]], steps: list[Mappi
     return [unique, tito, matched]
 
 
+def with_referred_arrays(t: Mapping[str, Any], referable: Mapping[str, Mapping[str, Any]]) -> Mapping[str, Any] | None:
+    """A group member whose arrays stay in a `trajectories` event (arrays_uri kafka://...), with the
+    arrays of that event put back; None when the event is not among those replayed. A member with
+    its arrays inline (or in the object store) is returned as it is."""
+    if not eventref.is_ref(t["arrays_uri"]):
+        return t
+    source = referable.get(t["arrays_uri"])
+    if source is None:
+        return None
+    return {**t, **{k: source[k] for k in ("input_ids", "loss_mask", "rollout_logprobs", "arrays_uri")},
+            "referred_trajectory_id": source["trajectory_id"]}
+
+
 def _check_groups(groups: list[Mapping[str, Any]], first_trajectory: Mapping[str, Mapping[str, Any]],
+                  referable: Mapping[str, Mapping[str, Any]], not_checked: dict[str, int],
                   s: VerifySettings) -> tuple[list[CheckResult], dict[str, float]]:
     """GRPO of every group event and its members against `trajectories`; returns the recomputed
     advantage of every member by trajectory id (from the first event of each group)."""
     adv = CheckResult("grpo_advantages", "each member's advantage, masked flag, and the group's reward "
                       "mean and std, recomputed from the members' rewards")
-    same = CheckResult("group_members_match_trajectories", "each member equals the first trajectories event "
-                       "with its id")
+    same = CheckResult("group_members_match_trajectories", "each member, with the token arrays of the "
+                       "trajectories event it refers to, equals the first trajectories event with its id")
     expected: dict[str, float] = {}
     seen: set[str] = set()
     for g in groups:
@@ -740,9 +754,17 @@ def _check_groups(groups: list[Mapping[str, Any]], first_trajectory: Mapping[str
             if gid not in seen:
                 expected[t["trajectory_id"]] = float(value)
             first = first_trajectory.get(t["trajectory_id"])
-            if first is not None:
+            resolved = with_referred_arrays(t, referable)
+            if resolved is None:
+                not_checked["members_referring_to_events_not_replayed"] = \
+                    not_checked.get("members_referring_to_events_not_replayed", 0) + 1
+            elif resolved.get("referred_trajectory_id", t["trajectory_id"]) != t["trajectory_id"]:
                 same.checked += 1
-                if not same_content(first, t, s.logprob_tolerance):
+                same.fail(f"arrays_uri {t['arrays_uri']} is an event of trajectory "
+                          f"{resolved['referred_trajectory_id']}", **ids)
+            elif first is not None:
+                same.checked += 1
+                if not same_content(first, resolved, s.logprob_tolerance):
                     same.fail("differs from the trajectories event", **ids)
         seen.add(gid)
     return [adv, same], expected
@@ -878,6 +900,9 @@ def verify(records_by_topic: Mapping[str, Sequence[ReplayRecord]], settings: Ver
     first_trajectory: dict[str, Mapping[str, Any]] = {}
     for t in trajectories:
         first_trajectory.setdefault(t["trajectory_id"], t)
+    # the events groups and batches refer to for their members' token arrays (schemas/eventref.py)
+    referable = {eventref.uri(topics.TRAJECTORIES, r.partition, r.offset): r.value
+                 for r in records_by_topic.get(topics.TRAJECTORIES, [])}
     groups = values.get(topics.GROUPS, [])
     first_group: dict[str, Mapping[str, Any]] = {}
     for g in groups:
@@ -886,7 +911,7 @@ def verify(records_by_topic: Mapping[str, Sequence[ReplayRecord]], settings: Ver
     not_checked: dict[str, int] = {}
 
     checks = _check_trajectories(trajectories, values.get(topics.STEPS, []), not_checked, s)
-    group_checks, expected = _check_groups(groups, first_trajectory, s)
+    group_checks, expected = _check_groups(groups, first_trajectory, referable, not_checked, s)
     checks += group_checks
     without_payload = sum(1 for b in batches if payload_missing(b))
     if without_payload:

@@ -5,9 +5,14 @@ partitioned like the aggregator's internal topic (keyed by group_id by the intak
 
 - `agg-groups`  group_id -> the group's state (aggregation's dict) with the members' trajectories
   *without* their token arrays, plus "partition" (which partition owns it, for the sweep);
-- `agg-members` "<group_id>/<member>" -> the member's trajectory event as received (raw bytes),
-  so each 70 kB trajectory is written to the changelog once instead of with every later member;
+- `agg-members` "<group_id>/<member>" -> the member's trajectory event as received from the
+  intake (raw bytes), written to the changelog once instead of with every later member;
 - `agg-partition` "p<partition>" -> {"versions": {run: learner version}, "stats": {run: counters}}.
+
+The intake forwards each trajectory without its token arrays, with arrays_uri referring to the
+`trajectories` event they stay in (`by_reference`, schemas/eventref.py): groups and batches carry
+kilobytes per trajectory, and the learner reads the arrays from that event. Counting action tokens
+needs no arrays (the turns' lengths count them).
 
 A timer broadcasts a tick into every partition every sweep_interval_s; processing it sweeps that
 partition's open groups (timeouts, staleness) and deletes expired tombstones, since a group whose
@@ -21,7 +26,7 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from schemas import topics
+from schemas import eventref, topics
 from schemas.codec import codec
 from streams import aggregation
 from streams.app import Out, Wiring
@@ -49,6 +54,15 @@ def member_key(group_id: str, member: int | str) -> str:
 def without_arrays(trajectory: dict[str, Any]) -> dict[str, Any]:
     """The trajectory as the group state holds it: everything but the packed token arrays."""
     return {**trajectory, **{k: b"" for k in _ARRAYS}}
+
+
+def by_reference(trajectory: dict[str, Any], data: bytes, topic: str, partition: int, offset: int) -> bytes:
+    """The trajectory as the aggregator carries it on (schemas/eventref.py): its arrays left in the
+    `trajectories` event it was read from, arrays_uri pointing there. One whose arrays are already
+    elsewhere (an object store key) goes on as it came."""
+    if trajectory["arrays_uri"] is not None:
+        return data
+    return codec().encode(TRAJECTORY, {**without_arrays(trajectory), "arrays_uri": eventref.uri(topic, partition, offset)})
 
 
 def _partition_state(tables: AggregatorTables, partition: int) -> dict[str, Any]:
@@ -169,7 +183,9 @@ def register(w: Wiring) -> None:
             async def forward(event=event) -> None:
                 trajectory = decode_from(topics.TRAJECTORIES, event.value)
                 if w.serves(trajectory):
-                    await agg_in.send(key=trajectory["group_id"].encode(), value=event.value)
+                    msg = event.message
+                    value = by_reference(trajectory, event.value, msg.topic, msg.partition, msg.offset)
+                    await agg_in.send(key=trajectory["group_id"].encode(), value=value)
             await w.guarded(event, "aggregator-intake", forward)
 
     @w.app.agent(w.raw_topic(topics.WEIGHTS), name="aggregator-weights-intake")

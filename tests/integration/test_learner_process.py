@@ -16,12 +16,14 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from learner import publish
 from learner.manifest import decode_version
-from learner.process import LearnerLoop, ResumeError
+from learner.process import LearnerLoop, ReferenceMismatch, ResumeError, batch_items
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.learner_cmd import load_policy
-from schemas import arrays, objectstore, samples, topics
+from schemas import arrays, eventref, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
+from schemas.eventref import EventFetcher, EventMissing
+from streams.aggregator_agent import without_arrays
 from schemas.weight_layout import WeightManifest
 
 pytestmark = pytest.mark.integration
@@ -180,3 +182,52 @@ def test_bench_learner_refuses_an_empty_batch_in_one_line():
     result = CliRunner().invoke(app, ["--sequences", "0"])
     assert result.exit_code == 1
     assert result.output.strip() == "rollstream bench learner: --sequences and --repeats must be >= 1"
+
+
+def refer_to_produced_trajectories(infra, batch: dict) -> dict:
+    """The batch as the stream processor sends it: each item's trajectory produced to `trajectories`
+    and carried on without its arrays, arrays_uri referring to that event."""
+    where: dict[str, str] = {}
+
+    def delivered(err, msg) -> None:
+        assert err is None, err
+        where[msg.key().decode()] = eventref.uri(msg.topic(), msg.partition(), msg.offset())
+
+    with EventProducer(infra.kafka) as producer:
+        for item in batch["items"]:
+            t = item["trajectory"]
+            producer.send(topics.TRAJECTORIES, t, key=t["trajectory_id"], on_delivery=delivered)
+    items = [{**item, "trajectory": {**without_arrays(item["trajectory"]),
+                                     "arrays_uri": where[item["trajectory"]["trajectory_id"]]}}
+             for item in batch["items"]]
+    return {**batch, "items": items}
+
+
+def test_learner_trains_on_the_arrays_a_batch_refers_to_and_refuses_a_reference_to_another_trajectory(infra, tmp_path):
+    run = f"learner-ref-{uuid.uuid4().hex[:10]}"
+    model_dir = save_tiny_model(tmp_path / "model")
+    inline = make_batch(run, 0)
+    referring = refer_to_produced_trajectories(infra, inline)
+    assert all(i["trajectory"]["input_ids"] == b"" for i in referring["items"])
+    # the same content either way: what the learner trains on is read back from `trajectories`
+    loop = make_loop(infra, run, model_dir)
+    assert [[a.tolist() if hasattr(a, "tolist") else a for a in item]
+            for item in batch_items(referring, lambda uri: loop._fetcher.fetch(uri))] == \
+        [[a.tolist() if hasattr(a, "tolist") else a for a in item] for item in batch_items(inline, lambda uri: b"")]
+
+    crossed = refer_to_produced_trajectories(infra, make_batch(run, 1))
+    first, second = crossed["items"][0]["trajectory"], crossed["items"][1]["trajectory"]
+    first["arrays_uri"], second["arrays_uri"] = second["arrays_uri"], first["arrays_uri"]
+    produce(infra, [referring, crossed])
+    state = loop.start(resume=False)
+    with pytest.raises(ReferenceMismatch, match=f"refers to .* an event of trajectory {second['trajectory_id']}"):
+        loop.loop(state)
+    assert [e["batch_id"] for e in weight_events(infra, run, 2)] == [None, referring["batch_id"]]
+
+
+def test_a_reference_past_the_end_of_its_partition_is_reported_missing(infra):
+    with EventConsumer(infra.kafka, group_id=f"check-{uuid.uuid4().hex}", topic_names=[]) as probe:
+        end = probe.end_offsets(topics.TRAJECTORIES)[0]
+    with EventFetcher(infra.kafka) as fetcher:
+        with pytest.raises(EventMissing, match="partition 0 of trajectories holds offsets"):
+            fetcher.fetch(eventref.uri(topics.TRAJECTORIES, 0, end + 1000))

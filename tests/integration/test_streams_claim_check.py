@@ -28,7 +28,7 @@ from streams.worker import start_at_end
 pytestmark = pytest.mark.integration
 
 N = 2
-LIMIT = 4096  # a batch of one group of two 512-token trajectories encodes to about 10 kB
+LIMIT = 512  # a batch of one group of two trajectories (arrays left in `trajectories`) encodes to over 1 kB
 SETTINGS = StreamsSettings(group_size=N, batch_size=1, first_batch_factor=1.0)
 
 

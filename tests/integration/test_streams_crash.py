@@ -12,6 +12,9 @@ import pytest
 from pipeline.bench_streams import TopicReader, WorkerProcess, trajectory, weights
 from schemas import topics
 from schemas.bus import EventProducer
+from schemas.codec import codec
+from schemas.eventref import EventFetcher
+from streams.aggregator_agent import without_arrays
 from streams.worker import start_at_end
 
 pytestmark = pytest.mark.integration
@@ -82,4 +85,11 @@ def test_killed_worker_restarts_from_changelog_and_trains_every_group_exactly_on
     for gid in gids[4:]:
         # members 0 and 1 were committed before the kill and came back only from the changelog
         assert groups[gid]["completion"] == "complete"
-        assert [m["trajectory"] for m in groups[gid]["members"]] == [produced[(gid, m)] for m in range(N)]
+        # ... with the references to the trajectories events that hold their arrays
+        members = [m["trajectory"] for m in groups[gid]["members"]]
+        assert members == [{**without_arrays(produced[(gid, m)]), "arrays_uri": t["arrays_uri"]}
+                           for m, t in zip(range(N), members)]
+        with EventFetcher(infra.kafka) as fetcher:
+            referred = fetcher.fetch_many(t["arrays_uri"] for t in members)
+        assert [codec().decode(referred[t["arrays_uri"]], "trajectory") for t in members] == \
+            [produced[(gid, m)] for m in range(N)]

@@ -19,8 +19,11 @@ import pytest
 from pipeline.bench_streams import TopicReader, WorkerProcess, trajectory, weights
 from schemas import samples, topics
 from schemas.bus import EventProducer, now_ms
+from schemas.codec import codec
+from schemas.eventref import EventFetcher
 from streams import routing
 from streams.advantages import grpo_advantages
+from streams.aggregator_agent import without_arrays
 from streams.batching import build_batch
 from streams.settings import StreamsSettings
 from streams.worker import start_at_end
@@ -114,8 +117,15 @@ def test_groups_and_batches_from_shuffled_duplicated_trajectories_with_a_lost_me
         want = grpo_advantages([rs[m] for m in kept], [gid] * len(kept))
         np.testing.assert_allclose([m["advantage"] for m in g["members"]], want, rtol=1e-12)
         assert g["completion"] == ("timeout" if gid.endswith("lost") else "complete")
-        # members are the events as produced, token arrays included (the table held them)
-        assert [m["trajectory"] for m in g["members"]] == [produced[(gid, m)] for m in kept]
+        # members are the events as produced, their token arrays left in the trajectories event
+        # each refers to, which holds them as produced
+        members = [m["trajectory"] for m in g["members"]]
+        assert members == [{**without_arrays(produced[(gid, m)]), "arrays_uri": t["arrays_uri"]}
+                           for m, t in zip(kept, members)]
+        with EventFetcher(infra.kafka) as fetcher:
+            referred = fetcher.fetch_many(t["arrays_uri"] for t in members)
+        assert [codec().decode(referred[t["arrays_uri"]], "trajectory") for t in members] == \
+            [produced[(gid, m)] for m in kept]
 
     batches = reader.events[topics.BATCHES]
     assert sorted(g for b in batches for g in b["group_ids"]) == sorted(expected_trained)  # each exactly once
