@@ -96,4 +96,9 @@ def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
     # aiokafka logs every request at DEBUG and its loggers are left enabled: building those
     # records cost about a tenth of the worker's CPU in profiles
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(loglevel.upper())))
-    Worker(app, loglevel=loglevel).execute_from_commandline()
+    runner = Worker(app, loglevel=loglevel)
+    # Faust's startup spinner sets the root logger to DEBUG (its handler spins on every record) and
+    # leaves it there after startup: every debug call of faust and mode then built a record to be
+    # dropped, in the hot path of each event sent. A worker has no terminal to spin on.
+    runner.spinner = None
+    runner.execute_from_commandline()
