@@ -244,8 +244,6 @@ class LearnerLoop:
     wall_ms: Callable[[], int] = lambda: int(time.time() * 1000)
     aliases: frozenset[str] = field(init=False)
     """Tied tensors' second names (lm_head.weight): never published, the first name carries them."""
-    _events: dict[str, bytes] = field(init=False, default_factory=dict)
-    """The `trajectories` events of the batch being read, by reference (array_refs)."""
     _event_fetcher: eventref.EventFetcher | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -321,9 +319,8 @@ class LearnerLoop:
                 if self.template_fingerprint is not None:
                     check_template(batch, self.template_fingerprint)
                 # the token arrays stay in `trajectories`: read in one pass per partition, not one seek each
-                self._events = self._fetcher.fetch_many(array_refs(batch))
-                items = batch_items(batch, self._fetch)
-                self._events = {}
+                events = self._fetcher.fetch_many(array_refs(batch))
+                items = batch_items(batch, lambda uri: events[uri] if uri in events else self._fetch(uri))
                 if not any(int(mask.sum()) for _, mask, _, _ in items):
                     log.warning("skipping batch %s (index %d): no action tokens to train on",
                                 batch["batch_id"], batch["index"])
@@ -368,7 +365,7 @@ class LearnerLoop:
 
     def _fetch(self, uri: str) -> bytes:
         if eventref.is_ref(uri):
-            return self._events[uri] if uri in self._events else self._fetcher.fetch(uri)
+            return self._fetcher.fetch(uri)
         return objectstore.get_bytes(self.mc, *objectstore.parse_uri(uri))
 
     def _publish(self, state: checkpoint.TrainingState, *, batch_id: str | None, checkpoint_now: bool,

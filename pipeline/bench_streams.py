@@ -308,14 +308,14 @@ def feed_windowed(r: BenchRun, groups: int, window: int, timeout_s: float = 300,
     return time.perf_counter() - start
 
 
-def _cpu_seconds(processes: Iterable[psutil.Process], *, children: bool = True) -> float:
-    """User + system CPU seconds of the processes, and of their children (0 for one that is gone)."""
+def _cpu_seconds(processes: Iterable[psutil.Process]) -> float:
+    """User + system CPU seconds of the processes themselves (0 for one that is gone): not of their
+    children, since the feeder's children are the workers, counted apart."""
     total = 0.0
     for p in processes:
         try:
-            for q in (p, *(p.children(recursive=True) if children else ())):
-                times = q.cpu_times()
-                total += times.user + times.system
+            times = p.cpu_times()
+            total += times.user + times.system
         except psutil.NoSuchProcess:
             pass
     return total
@@ -341,10 +341,9 @@ def measure_capacity(kafka: KafkaSettings, groups: int, window: int,
         parties["broker"] = [broker]
     try:
         prepared = [r.group_events(i) for i in range(groups)]
-        own = {"feeder": False}  # the feeder's children are the workers, counted apart
-        before = {name: _cpu_seconds(ps, children=own.get(name, True)) for name, ps in parties.items()}
+        before = {name: _cpu_seconds(ps) for name, ps in parties.items()}
         elapsed = feed_windowed(r, groups, window, prepared=prepared)
-        cpu = {name: _cpu_seconds(ps, children=own.get(name, True)) - before[name] for name, ps in parties.items()}
+        cpu = {name: _cpu_seconds(ps) - before[name] for name, ps in parties.items()}
     finally:
         r.close()
     n = groups * GROUP_SIZE

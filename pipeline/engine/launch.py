@@ -92,12 +92,10 @@ def set_session_niceness(pid: int, nice: int, attempts: int = 20) -> bool:
     where the kernel refuses (a read-only /proc in some containers): the process then runs, at its own niceness
     only. We need no autogroup of our own: in a container's cgroup our file reads empty while a session we
     start can still get an autogroup (seen on a CI machine), and niceing that one leaves us alone."""
-    theirs, ours = _autogroup(pid), _autogroup("self")
     try:
-        same_session = os.getsid(pid) == os.getsid(0)
+        if _autogroup(pid) is None or os.getsid(pid) == os.getsid(0):
+            return False
     except ProcessLookupError:
-        return False
-    if theirs is None or theirs == ours or same_session:
         return False
     for _ in range(attempts):
         try:
