@@ -465,13 +465,11 @@ def bench_streams(
         "setup": {"workers": workers, "partitions": partitions, "tokens": TOKENS, "group_size": GROUP_SIZE,
                   "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
         "scaling": "a worker is CPU-bound in its one Python thread: it sustains about "
-                   "trajectories_per_worker_cpu_s per core it has to itself. The router, aggregator "
-                   "and metrics jobs are partitioned like tasks.requested and trajectories (setup."
-                   "partitions), and each partition is owned by one worker, so more workers on more "
-                   "cores add capacity up to that partition count (more partitions: recreate those "
-                   "topics with more); the batcher is one partition by design and handles one small "
-                   "event per group (the arrays stay in `trajectories`), so it bounds one run far "
-                   "above the rest",
+                   "trajectories_per_worker_cpu_s per core it has to itself. Router and aggregator "
+                   "partitions spread over workers (each partition is owned by one worker), so more "
+                   "workers on more cores add capacity up to the partition count; the batcher is one "
+                   "partition by design and handles one small event per group (the arrays stay in "
+                   "`trajectories`), so it bounds one run far above the rest",
     }
     if as_json:
         typer.echo(json.dumps(result))

@@ -9,7 +9,7 @@ partitioned like `trajectories` (keyed by group_id, so a group's members meet in
 - `agg-partition` "p<partition>" -> {"versions": {run: learner version}, "stats": {run: counters}}.
 
 The aggregator carries each trajectory on without its token arrays, with arrays_uri referring to
-the `trajectories` event they stay in (`carried`, schemas/eventref.py): groups and batches
+the `trajectories` event they stay in (`by_reference`, schemas/eventref.py): groups and batches
 carry kilobytes per trajectory, and the learner reads the arrays from that event. Counting action
 tokens needs no arrays (the turns' lengths count them).
 
