@@ -11,32 +11,22 @@ and its flush gives up after 0.1 s without progress, so a commit could pass chan
 were never acknowledged, and a crashed worker's recovered table would lack writes whose events
 count as consumed. `drain_before_commit` makes that flush wait for every buffered write.
 
-Topology. The router and the aggregator read their DESIGN topic as it is: the topic is keyed by
-group_id (DESIGN.md "Topics"), so a group's events already meet in one partition, and the job's
-table is partitioned like the topic. The small control events they also need (heartbeats, weight
-versions, timer ticks) are broadcast into every partition of a control topic of the app,
-`<app>-<job>-in`, with as many partitions as the DESIGN topics; the agent reads both topics, and
-Faust assigns partition p of both (and of the changelogs) to the same worker. The batcher's one
-global decision reads its own single-partition topic:
+Topology. Each job reads the DESIGN topics through a thin *intake* agent that decodes every event
+with our codec (undecodable -> `dlq` with the reason) and forwards the original bytes into an
+internal topic of the app, keyed for the job's table (this is the job's `group_by`):
 
-    tasks.requested ------------------------------------------ router -----> tasks
-    engines, weights --broadcast--> <app>-router-in ------------^
-    trajectories ---------------------------------------------- aggregator -> groups, metrics
-    weights, sweep ticks --broadcast--> <app>-aggregator-in -----^
-    groups --intake(key run)--> <app>-batcher-in (1 partition) --batcher--> batches
-    weights ----------------------------^
+    tasks.requested --intake(key group_id)--> <app>-router-in      --router-->     tasks
+    engines, weights --broadcast to every partition--^
+    trajectories    --intake(key group_id)--> <app>-aggregator-in  --aggregator--> groups, metrics
+    weights, sweep ticks --broadcast to every partition--^
+    groups          --intake(key run)-------> <app>-batcher-in (1 partition) --batcher--> batches
+    weights         --------------------------------^
     steps, trajectories --metrics--> table --timer--> metrics (and JSON at /rollstream/metrics/)
 
-Every agent decodes each event with our codec (undecodable -> `dlq` with the reason and the
-event's own topic, partition and offset). Broadcasting control events into every partition lets
-the per-partition agents change their tables while processing them (Faust allows table writes only
-inside stream iteration). Reading the DESIGN topics directly spares each trajectory and each task
-request a hop through an internal topic (a second event handled and sent by the worker's one
-Python thread: bench streams measured 3.5-3.9 ms of worker CPU per trajectory with the hops,
-2.9-3.05 without); the price is that producers must key these topics by group_id with one
-partitioner, which every rollstream producer does (schemas/bus.py, librdkafka's default). The
-control topics are not in order with the data: a heartbeat or weight version reaches the router
-and aggregator about as soon as the requests and trajectories sent after it, not strictly before.
+Broadcasting the small control events (heartbeats, weight versions, timer ticks) into every
+partition puts them in order with the data they govern, lets the per-partition agents change
+their tables while processing them (Faust allows table writes only inside stream iteration) and
+makes a replay see them in the same order.
 """
 
 from __future__ import annotations
@@ -57,7 +47,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas import topics
 from schemas.bus import dead_letter
 from schemas.settings import KafkaSettings, ObjectStoreSettings
-from streams.serde import DECODE_ERRORS, RAW, decode_from, encode_for
+from streams.serde import RAW, encode_for
 from streams.settings import StreamsSettings
 
 log = logging.getLogger("rollstream.streams")
@@ -76,9 +66,9 @@ class WorkerSettings(BaseModel):
     datadir: Path = Path(".run/streams")
     """Faust's local data directory."""
     partitions: int = Field(8, ge=1)
-    """Partitions of the DESIGN topics the jobs read by group_id (tasks.requested, steps, trajectories;
-    infra/topics.yaml has 8): the router's, aggregator's and metrics' tables and control topics mirror
-    them. `run_worker` sets it from the broker."""
+    """Partitions of the internal router/aggregator topics and their tables (the DESIGN topics have 8)."""
+    source_partitions: int = Field(8, ge=1)
+    """Partitions of the DESIGN topics steps and trajectories (infra/topics.yaml), which the metrics table mirrors."""
     sweep_interval_s: float = Field(5.0, gt=0)
     """How often the aggregator sweeps for timed-out and stale groups."""
     metrics_interval_s: float = Field(10.0, gt=0)
@@ -112,11 +102,6 @@ FLUSH_TIMEOUT_S = 120.0
 """How long a commit waits for buffered table writes to be acknowledged (a broker restart takes this long)."""
 STOP_FLUSH_TIMEOUT_S = 10.0
 """The same wait while the worker stops (its producer may already be gone)."""
-
-CONTROL_TAKE = 1000
-"""Control events a control intake coalesces at most at once."""
-CONTROL_WITHIN_S = 0.05
-"""How long a control intake waits for more events before broadcasting the newest ones."""
 
 RECORD_OVERHEAD_BYTES = 64 * 1024
 """Room left under Kafka's message limit for the key and the record and batch headers."""
@@ -164,16 +149,6 @@ class Wiring:
     def internal_topic(self, job: str, partitions: int) -> TopicT:
         return self.raw_topic(f"{self.worker.app_id}-{job}-in", internal=True, partitions=partitions)
 
-    def with_control(self, design_topic: str, job: str) -> tuple[TopicT, TopicT]:
-        """A job's source, the DESIGN topic and the job's control topic read together, and the
-        control topic alone (to broadcast into). The control topic is co-partitioned with the
-        DESIGN topic, so partition p of both reaches the agent that owns p of the job's tables."""
-        control = self.internal_topic(job, self.worker.partitions)
-        source = self.app.topic(design_topic, control.get_topic_name(), key_type=bytes, value_type=bytes,
-                                key_serializer=RAW, value_serializer=RAW, partitions=self.worker.partitions,
-                                config=self.topic_config)
-        return source, control
-
     @property
     def topic_config(self) -> dict[str, str]:
         """Config of the topics the app creates (internal topics, changelogs): they carry whole
@@ -194,28 +169,6 @@ class Wiring:
         for p in range(partitions):
             await topic.send(key=key, value=value, partition=p)
 
-    async def broadcast_newest(self, stream: Any, source: str, control: TopicT, consumer: str,
-                               rank: Callable[[dict[str, Any]], tuple[str, int] | None]) -> None:
-        """Runs a control intake: takes what arrived in the last moment, keeps only the newest event
-        of each key (`rank(value)` -> (key, order), or None for an event this app does not serve)
-        and broadcasts those into every partition of `control`. Each receiver keeps only the newest
-        anyway (a run's highest weight version, an engine's latest heartbeat), and a new worker
-        reads `weights` and `engines` from the start: forwarding every event made it work through
-        partitions x (all versions and heartbeats ever sent) before its registry was current.
-        The events are acknowledged after their survivors are sent (Faust's take_events)."""
-        async for events in stream.take_events(CONTROL_TAKE, CONTROL_WITHIN_S):
-            ranked = []
-            for event in events:
-                try:
-                    found = rank(decode_from(source, event.value))
-                except DECODE_ERRORS as error:
-                    await self.send([self.dead_letter(event, error, consumer)])
-                    continue
-                if found is not None:
-                    ranked.append((*found, event))
-            for key, event in newest_by_key(ranked).items():
-                await self.broadcast(control, self.worker.partitions, key.encode(), event.value)
-
     def dead_letter(self, event: Any, error: Exception, consumer: str) -> Out:
         """The dlq event for a message that failed; the reason names the error."""
         msg = event.message
@@ -233,16 +186,6 @@ class Wiring:
             if not isinstance(error, ValueError):
                 log.exception("%s: unexpected failure", consumer)
             await self.send([self.dead_letter(event, error, consumer)])
-
-
-def newest_by_key(ranked: Iterable[tuple[str, int, Any]]) -> dict[str, Any]:
-    """The item of highest order for each key, of (key, order, item) in arrival order; of equal
-    orders the later one."""
-    newest: dict[str, tuple[int, Any]] = {}
-    for key, order, item in ranked:
-        if key not in newest or order >= newest[key][0]:
-            newest[key] = (order, item)
-    return {key: item for key, (_, item) in newest.items()}
 
 
 def drain_before_commit(buffer: Any) -> None:

@@ -46,44 +46,18 @@ def start_at_end(kafka: KafkaSettings, app_id: str, topic_names: Iterable[str] =
 
 
 def internal_topics(app: faust.App) -> dict[str, tuple[int, dict[str, str]]]:
-    """The topics the app makes for itself, {name: (partitions, config)}: its tables' changelogs
-    and the topics its agents read that are named after the app (internal intakes, and the control
-    topics read together with a DESIGN topic, which the infra scripts own)."""
+    """The topics the app makes for itself: its agents' internal input topics and its tables'
+    changelogs, {name: (partitions, config)}."""
     found: dict[str, tuple[int, dict[str, str]]] = {}
-    prefix = f"{app.conf.id}-"
     channels = [agent.channel for agent in app.agents.values()] + [t.changelog_topic for t in app.tables.values()]
     for channel in channels:
-        config = dict(getattr(channel, "config", None) or {})
-        if getattr(channel, "compacting", False):  # a changelog keeps the last value of each key
-            config["cleanup.policy"] = "compact"
-        for name in getattr(channel, "topics", ()):
-            if name.startswith(prefix):
+        if getattr(channel, "internal", False):
+            config = dict(channel.config or {})
+            if getattr(channel, "compacting", False):  # a changelog keeps the last value of each key
+                config["cleanup.policy"] = "compact"
+            for name in channel.topics:
                 found[name] = (channel.partitions, config)
     return found
-
-
-class PartitionsMismatch(ValueError):
-    """The DESIGN topics a worker reads by group_id have different partition counts."""
-
-
-BY_GROUP: tuple[str, ...] = (topics.TASKS_REQUESTED, topics.STEPS, topics.TRAJECTORIES)
-"""The DESIGN topics keyed by group_id that the jobs' tables are partitioned like."""
-
-
-def group_partitions(kafka: KafkaSettings, topic_names: Iterable[str] = BY_GROUP) -> int:
-    """The partition count of the DESIGN topics the jobs read by group_id (the same for all of
-    them, or PartitionsMismatch: a table and its changelog must be partitioned like its source)."""
-    admin = AdminClient(kafka.as_confluent())
-    existing = admin.list_topics(timeout=10).topics
-    counts = {name: len(existing[name].partitions) if name in existing else 0 for name in topic_names}
-    missing = sorted(name for name, n in counts.items() if n == 0)
-    if missing:
-        raise PartitionsMismatch(f"topics {', '.join(missing)} do not exist: create them first "
-                                 "(rollstream infra init)")
-    if len(set(counts.values())) != 1:
-        raise PartitionsMismatch("the streams jobs read " + ", ".join(f"{n} ({c} partitions)" for n, c in counts.items())
-                                 + " by group_id and need them partitioned alike")
-    return next(iter(counts.values()))
 
 
 def declare_internal_topics(kafka: KafkaSettings, app: faust.App) -> list[str]:
@@ -117,7 +91,6 @@ def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
     from_now: a brand-new app id skips the data topics' history (start_at_end)."""
     if from_now:
         start_at_end(kafka, worker.app_id)
-    worker = worker.model_copy(update={"partitions": group_partitions(kafka)})
     app = create_app(kafka, settings, worker, components, store=store)
     declare_internal_topics(kafka, app)
     # aiokafka logs every request at DEBUG and its loggers are left enabled: building those

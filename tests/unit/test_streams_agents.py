@@ -25,7 +25,7 @@ from streams import router_agent as rt
 from streams import routing
 from streams.advantages import grpo_advantages
 from streams.app import (RECORD_OVERHEAD_BYTES, WorkerSettings, Wiring, broker_credentials, create_app,
-                         drain_before_commit, newest_by_key)
+                         drain_before_commit)
 from streams.serde import TaggedJSON
 from streams.settings import StreamsSettings
 
@@ -35,53 +35,44 @@ T0 = 1_000_000
 
 
 def _tables() -> agg.AggregatorTables:
-    return agg.AggregatorTables({}, {})
+    return agg.AggregatorTables({}, {}, {})
 
 
 def _encoded(gid: str, member: int, reward: float, **kw) -> bytes:
     return codec().encode("trajectory", trajectory("r", gid, member, N, reward, num_tokens=8 + member, **kw))
 
 
-def _offer(tables: agg.AggregatorTables, data: bytes, partition: int, now_ms: int, settings: StreamsSettings):
-    """What the aggregator agent does with a `trajectories` event (at offset 1000 + member)."""
-    t = codec().decode(data, "trajectory")
-    return agg.on_trajectory(tables, agg.carried(t, topics.TRAJECTORIES, partition, 1000 + t["member"]), partition,
-                             now_ms, settings)
-
-
 def _decode_outs(outs):
     return [(topic, codec().decode(value, topics.EVENT_OF_TOPIC[topic])) for topic, _, value in outs]
 
 
-def test_group_is_emitted_with_its_members_referring_to_their_events_and_the_state_frees_them():
+def test_group_is_emitted_with_full_members_when_the_last_arrives_and_members_are_freed():
     tables = _tables()
     rewards = [1.0, 0.0, 0.5, 1.0]
     sent = [_encoded("g", m, r) for m, r in enumerate(rewards)]
-    outs = [_offer(tables, data, 0, T0 + m, S) for m, data in enumerate(sent)]
+    outs = [agg.on_trajectory(tables, data, 0, T0 + m, S) for m, data in enumerate(sent)]
     assert outs[:3] == [[], [], []]
     [(topic, group)] = _decode_outs(outs[3])
     assert topic == topics.GROUPS and group["completion"] == "complete"
     np.testing.assert_allclose([m["advantage"] for m in group["members"]], grpo_advantages(rewards, ["g"] * N))
-    assert [m["trajectory"] for m in group["members"]] == [
-        agg.carried(codec().decode(data, "trajectory"), topics.TRAJECTORIES, 0, 1000 + m) for m, data in enumerate(sent)]
-    assert [m["trajectory"]["arrays_uri"] for m in group["members"]] == [
-        f"kafka://trajectories/0/{1000 + m}" for m in range(N)]
-    assert tables.groups["g"]["members"] == {}
+    assert [m["trajectory"] for m in group["members"]] == [codec().decode(data, "trajectory") for data in sent]
+    assert tables.members == {}
     assert tables.groups["g"]["closed"] == "emitted" and tables.groups["g"]["partition"] == 0
 
 
 def test_group_state_keeps_no_token_arrays():
     tables = _tables()
-    _offer(tables, _encoded("g", 0, 1.0), 0, T0, S)
+    data = _encoded("g", 0, 1.0)
+    agg.on_trajectory(tables, data, 0, T0, S)
     member = tables.groups["g"]["members"]["0"]
     assert (member["input_ids"], member["loss_mask"], member["rollout_logprobs"]) == (b"", b"", b"")
-    assert member["arrays_uri"] == "kafka://trajectories/0/1000"
+    assert tables.members["g/0"] == data
 
 
 def test_duplicate_member_is_dropped_and_counted():
     tables = _tables()
-    _offer(tables, _encoded("g", 0, 1.0), 1, T0, S)
-    assert _offer(tables, _encoded("g", 0, 1.0), 1, T0 + 5, S) == []
+    agg.on_trajectory(tables, _encoded("g", 0, 1.0), 1, T0, S)
+    assert agg.on_trajectory(tables, _encoded("g", 0, 1.0), 1, T0 + 5, S) == []
     assert tables.groups["g"]["arrivals"] == {"0": T0}
     assert tables.partitions["p1"]["stats"]["r"]["counters"] == {"duplicates": 1}
 
@@ -89,8 +80,8 @@ def test_duplicate_member_is_dropped_and_counted():
 def test_tick_closes_only_its_own_partitions_timed_out_groups():
     tables = _tables()
     for m in range(3):
-        _offer(tables, _encoded("a", m, float(m)), 0, T0, S)
-        _offer(tables, _encoded("b", m, float(m)), 1, T0, S)
+        agg.on_trajectory(tables, _encoded("a", m, float(m)), 0, T0, S)
+        agg.on_trajectory(tables, _encoded("b", m, float(m)), 1, T0, S)
     assert agg.on_tick(tables, 0, T0 + 9_999, S) == []
     [(topic, group)] = _decode_outs(agg.on_tick(tables, 0, T0 + 10_000, S))
     assert (topic, group["group_id"], group["completion"]) == (topics.GROUPS, "a", "timeout")
@@ -99,24 +90,24 @@ def test_tick_closes_only_its_own_partitions_timed_out_groups():
 
 def test_group_with_too_few_members_is_reported_as_dropped_metric():
     tables = _tables()
-    _offer(tables, _encoded("g", 0, 1.0), 0, T0, S)
+    agg.on_trajectory(tables, _encoded("g", 0, 1.0), 0, T0, S)
     [(topic, metric)] = _decode_outs(agg.on_tick(tables, 0, T0 + 10_000, S))
     assert (topic, metric["name"], metric["labels"]["group_id"], metric["labels"]["reason"]) == \
         (topics.METRICS, "streams/group_dropped", "g", "too_few_members")
-    assert tables.groups["g"]["members"] == {}
+    assert tables.members == {}
 
 
 def test_group_behind_the_learner_by_more_than_max_staleness_is_dropped():
     tables = _tables()
     agg.on_weights(tables, codec().encode("weight_version", weights("r", 100)), 0)
-    [(_, metric)] = _decode_outs(_offer(tables, _encoded("g", 0, 1.0, version=10), 0, T0, S))
+    [(_, metric)] = _decode_outs(agg.on_trajectory(tables, _encoded("g", 0, 1.0, version=10), 0, T0, S))
     assert metric["labels"]["reason"] == "stale"
 
 
 def test_expired_tombstones_are_deleted_by_the_sweep():
     tables = _tables()
     for m in range(N):
-        _offer(tables, _encoded("g", m, float(m)), 0, T0, S)
+        agg.on_trajectory(tables, _encoded("g", m, float(m)), 0, T0, S)
     agg.on_tick(tables, 0, T0 + int(S.closed_retention_s * 1000), S)
     assert "g" not in tables.groups
 
@@ -389,24 +380,3 @@ def test_commit_flush_waits_past_fausts_give_up_for_every_buffered_write():
         await buffer.flush()  # nothing left to wait for
 
     asyncio.run(scenario())
-
-
-def test_the_router_control_topic_refuses_what_is_not_a_heartbeat_or_weight_version():
-    with pytest.raises(ValueError, match="not task_requested"):
-        rt.on_control({}, codec().encode("task_requested", samples.task_requested(0)), 0)
-
-
-def test_control_intakes_keep_the_newest_event_of_each_key():
-    ranked = [("run-a", 3, "a3"), ("run-b", 1, "b1"), ("run-a", 5, "a5"), ("run-a", 4, "a4"), ("run-b", 1, "b1-again")]
-    assert newest_by_key(ranked) == {"run-a": "a5", "run-b": "b1-again"}
-    assert newest_by_key([]) == {}
-
-
-def test_a_tagged_tables_changelog_reads_back_the_bytes_it_wrote():
-    # recovery reads a changelog with the changelog topic's serializer, not the table's
-    app = create_app(KafkaSettings(), S, WorkerSettings(app_id="unit", web_enabled=False))
-    value = {"input_ids": b"", "packed": b"\x00\x01\xff", "nested": {"raw": b"abc"}}
-    for table in app.tables.values():
-        if isinstance(table.value_serializer, TaggedJSON):
-            written = app.serializers.dumps_value(None, value, serializer=table.value_serializer)
-            assert app.serializers.loads_value(None, written, serializer=table.changelog_topic.value_serializer) == value
