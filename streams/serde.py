@@ -52,8 +52,11 @@ def tagged_table(app: Any, name: str, partitions: int, topic_config: dict[str, s
     """A Faust table of str keys whose values are dicts that may hold bytes (TaggedJSON)."""
     table = app.Table(name, partitions=partitions, key_type=str, extra_topic_configs=topic_config)
     # Faust derives the value codec from value_type (a Record's serializer) and takes no codec
-    # argument; the store and changelog topic read this attribute when they are first built.
+    # argument. Writes and the store read this attribute; the changelog topic, which recovery reads
+    # back with its own serializer, is already built when the table is (with plain JSON, which gave
+    # a recovered table {"$b": ...} dicts where it had bytes), so it is derived again.
     table.value_serializer = TaggedJSON()
+    table.changelog_topic = table.changelog_topic.derive(value_serializer=table.value_serializer)
     return table
 
 

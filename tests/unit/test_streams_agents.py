@@ -380,3 +380,13 @@ def test_commit_flush_waits_past_fausts_give_up_for_every_buffered_write():
         await buffer.flush()  # nothing left to wait for
 
     asyncio.run(scenario())
+
+
+def test_a_tagged_tables_changelog_reads_back_the_bytes_it_wrote():
+    # recovery reads a changelog with the changelog topic's serializer, not the table's
+    app = create_app(KafkaSettings(), S, WorkerSettings(app_id="unit", web_enabled=False))
+    value = {"input_ids": b"", "packed": b"\x00\x01\xff", "nested": {"raw": b"abc"}}
+    for table in app.tables.values():
+        if isinstance(table.value_serializer, TaggedJSON):
+            written = app.serializers.dumps_value(None, value, serializer=table.value_serializer)
+            assert app.serializers.loads_value(None, written, serializer=table.changelog_topic.value_serializer) == value
