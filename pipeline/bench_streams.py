@@ -45,7 +45,7 @@ from schemas.bus import EventProducer, now_ms
 from schemas.codec import UndecodableEvent, codec
 from schemas.settings import KafkaSettings
 from streams.settings import StreamsSettings
-from streams.worker import start_at_end
+from streams.worker import group_partitions, start_at_end
 
 PAPER_RATE = 30.0  # trajectories/s of the paper's 64-GPU setup
 
@@ -263,7 +263,9 @@ class BenchRun:
             for gid in batch["group_ids"]:
                 self.batched_at.setdefault(gid, now)
             self.producer.send(topics.WEIGHTS, weights(self.run, self.version), key=self.run)
-        self.producer.flush()
+        # poll, not flush: a flush here waited for every trajectory in flight to be acknowledged
+        # before the feeder could refill its window, and the feeder, not the worker, bounded the run
+        self.producer.poll(0)
 
     def wait_batched(self, gids: Iterable[str], timeout_s: float) -> None:
         """Pumps until every group is in a batch; GroupsDropped as soon as one of them is dropped."""
@@ -306,6 +308,30 @@ def feed_windowed(r: BenchRun, groups: int, window: int, timeout_s: float = 300,
         if time.perf_counter() - start > timeout_s:
             raise TimeoutError(f"only {batched} of {groups} groups batched in {timeout_s:g} s")
     return time.perf_counter() - start
+
+
+def wait_caught_up(kafka: KafkaSettings, app_id: str, topic_names: Iterable[str], timeout_s: float) -> None:
+    """Waits until the app's consumer group has committed the end of each topic: the worker's
+    control topics (seeded with the newest weight version per run and live heartbeats of earlier
+    runs, streams/worker.py) and the warm-up's events are worked through before capacity is
+    measured, so no backlog counts as capacity."""
+    consumer = Consumer(kafka.as_confluent(**{"group.id": app_id, "enable.auto.commit": False}))
+    try:
+        parts = [TopicPartition(name, p) for name in topic_names
+                 for p in consumer.list_topics(name, timeout=10).topics[name].partitions]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            ends = {(tp.topic, tp.partition): consumer.get_watermark_offsets(tp, timeout=10)[1] for tp in parts}
+            behind = {(tp.topic, tp.partition): ends[(tp.topic, tp.partition)] - max(tp.offset, 0)
+                      for tp in consumer.committed(parts, timeout=10)}
+            if all(lag <= 0 for lag in behind.values()):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the worker did not catch up with {sum(behind.values())} events of "
+                                   f"{sorted({t for (t, _), lag in behind.items() if lag > 0})} in {timeout_s:g} s")
+            time.sleep(0.5)
+    finally:
+        consumer.close()
 
 
 def _cpu_seconds(processes: Iterable[psutil.Process]) -> float:
@@ -383,9 +409,9 @@ def measure_latency(kafka: KafkaSettings, rate: float, seconds: float) -> dict[s
 
 def bench_streams(
     groups: int = typer.Option(100, help="Groups of 8 x 8k-token trajectories for the capacity run."),
-    window: int = typer.Option(24, help="Groups fed and not yet batched at most (the dispatcher's bound)."),
+    window: int = typer.Option(64, help="Groups fed and not yet batched at most (the dispatcher's bound; "
+                               "its default is 2 x batch_size, 512 groups at the paper's batch size)."),
     latency_seconds: float = typer.Option(10.0, help="Duration of the latency run at the paper's rate."),
-    partitions: int = typer.Option(8, help="Partitions of the worker's internal topics."),
     workers: int = typer.Option(1, min=1, help="Streams workers sharing the work (one consumer group)."),
     config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
@@ -404,8 +430,9 @@ def bench_streams(
     settings = workdir / "streams-settings.json"
     settings.write_text(StreamsSettings(group_size=GROUP_SIZE, batch_size=1, first_batch_factor=1.0,
                                         max_staleness=NEVER_STALE).model_dump_json())
+    partitions = group_partitions(kafka)  # of trajectories and tasks.requested, which the jobs' tables mirror
     fleet = [WorkerProcess(app_id, workdir / f"data-{i}", workdir / f"worker-{i}.log", [
-        "--partitions", str(partitions), "--no-web", "--settings", str(settings), "--sweep-interval-s", "1"]).start()
+        "--no-web", "--settings", str(settings), "--sweep-interval-s", "1"]).start()
         for i in range(workers)]
     err = Console(stderr=True)
     try:
@@ -417,6 +444,9 @@ def bench_streams(
             warm.send_group(group)
         warm.wait_batched([g[0] for g in warmup], 180)
         warm.close()
+        backlog = [topics.WEIGHTS, topics.ENGINES, f"{app_id}-router-in", f"{app_id}-aggregator-in"]
+        err.print("waiting for the worker to catch up with earlier runs' weights and engines ...")
+        wait_caught_up(kafka, app_id, backlog, 600)
         err.print(f"capacity: {groups} groups of {GROUP_SIZE} x {TOKENS}-token trajectories ...")
         capacity = measure_capacity(kafka, groups, window, [psutil.Process(w.proc.pid) for w in fleet if w.proc])
         err.print(f"latency at {PAPER_RATE:g} trajectories/s for {latency_seconds:g} s ...")
@@ -435,11 +465,16 @@ def bench_streams(
         "setup": {"workers": workers, "partitions": partitions, "tokens": TOKENS, "group_size": GROUP_SIZE,
                   "cpus": os.cpu_count(), "load_average_1m": os.getloadavg()[0]},
         "scaling": "a worker is CPU-bound in its one Python thread: it sustains about "
-                   "trajectories_per_worker_cpu_s per core it has to itself. Router and aggregator "
-                   "partitions spread over workers (each partition is owned by one worker), so more "
-                   "workers on more cores add capacity up to the partition count; the batcher is one "
-                   "partition by design and handles one small event per group (the arrays stay in "
-                   "`trajectories`), so it bounds one run far above the rest",
+                   "trajectories_per_worker_cpu_s per core it has to itself. The router, aggregator "
+                   "and metrics jobs are partitioned like tasks.requested and trajectories (setup."
+                   "partitions), and each partition is owned by one worker, so more workers on more "
+                   "cores add capacity up to that partition count (more partitions: recreate those "
+                   "topics with more); the batcher is one partition by design and handles one small "
+                   "event per group (the arrays stay in `trajectories`), so it bounds one run far "
+                   "above the rest. On a machine whose cores the broker and the feeder share with the "
+                   "workers (2 cores here: they take about 0.6 of one), a second worker has no core of "
+                   "its own, and with standby replicas (the default, 1) each worker also applies the "
+                   "other's table changelogs, so there it adds no capacity",
     }
     if as_json:
         typer.echo(json.dumps(result))

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from pipeline.config import load_config
 from streams.app import COMPONENTS, WorkerSettings
 from streams.settings import StdKind, StreamsSettings
-from streams.worker import run_worker
+from streams.worker import PartitionsMismatch, run_worker
 
 app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
                   help="The Faust stream processor.")
@@ -48,7 +48,6 @@ def worker(
     config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
     datadir: Path = typer.Option(_W.datadir, help="Faust data directory."),
     components: str = typer.Option(",".join(COMPONENTS), help="Comma-separated jobs to run here."),
-    partitions: int = typer.Option(_W.partitions, help="Partitions of the internal topics."),
     web_port: int = typer.Option(_W.web_port, help="Port of the JSON metrics view."),
     no_web: bool = typer.Option(False, "--no-web", help="Do not serve the metrics view."),
     sweep_interval_s: float = typer.Option(_W.sweep_interval_s, help="Aggregator sweep period."),
@@ -86,14 +85,18 @@ def worker(
         settings = build_settings(group_size=group_size, batch_size=batch_size, first_batch_factor=first_batch_factor,
                                   min_members=min_members, group_timeout_s=group_timeout_s, std=std)
     try:
-        worker_settings = WorkerSettings(app_id=app_id, run=run, datadir=datadir, partitions=partitions, web_port=web_port,
+        worker_settings = WorkerSettings(app_id=app_id, run=run, datadir=datadir, web_port=web_port,
                                          web_enabled=not no_web, sweep_interval_s=sweep_interval_s,
                                          metrics_interval_s=metrics_interval_s,
                                          batch_offload_bytes=batch_offload_bytes)
     except ValidationError as e:
         _fail(str(e.errors()[0]["msg"]))
     loaded = load_config(config)
-    run_worker(loaded.kafka, settings, worker_settings, chosen, loglevel, from_now=from_now, store=loaded.object_store)
+    try:
+        run_worker(loaded.kafka, settings, worker_settings, chosen, loglevel, from_now=from_now,
+                   store=loaded.object_store)
+    except PartitionsMismatch as e:
+        _fail(str(e))
 
 
 if __name__ == "__main__":

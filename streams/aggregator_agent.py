@@ -1,18 +1,17 @@
 """Group aggregator: trajectories -> groups (GRPO), with dedup, masking, timeouts and staleness.
 
-The decisions are aggregation.add_member / decide; this module keeps three tables, all
-partitioned like the aggregator's internal topic (keyed by group_id by the intake agent):
+The decisions are aggregation.add_member / decide; this module keeps two tables, both
+partitioned like `trajectories` (keyed by group_id, so a group's members meet in one partition):
 
 - `agg-groups`  group_id -> the group's state (aggregation's dict) with the members' trajectories
-  *without* their token arrays, plus "partition" (which partition owns it, for the sweep);
-- `agg-members` "<group_id>/<member>" -> the member's trajectory event as received from the
-  intake (raw bytes), written to the changelog once instead of with every later member;
+  as the group carries them (token arrays referred to, not held), plus "partition" (which
+  partition owns it, for the sweep);
 - `agg-partition` "p<partition>" -> {"versions": {run: learner version}, "stats": {run: counters}}.
 
-The intake forwards each trajectory without its token arrays, with arrays_uri referring to the
-`trajectories` event they stay in (`by_reference`, schemas/eventref.py): groups and batches carry
-kilobytes per trajectory, and the learner reads the arrays from that event. Counting action tokens
-needs no arrays (the turns' lengths count them).
+The aggregator carries each trajectory on without its token arrays, with arrays_uri referring to
+the `trajectories` event they stay in (`carried`, schemas/eventref.py): groups and batches
+carry kilobytes per trajectory, and the learner reads the arrays from that event. Counting action
+tokens needs no arrays (the turns' lengths count them).
 
 A timer broadcasts a tick into every partition every sweep_interval_s; processing it sweeps that
 partition's open groups (timeouts, staleness) and deletes expired tombstones, since a group whose
@@ -30,7 +29,7 @@ from schemas import eventref, topics
 from schemas.codec import codec
 from streams import aggregation
 from streams.app import Out, Wiring
-from streams.serde import decode_from, encode_for, raw_table, tagged_table
+from streams.serde import decode_from, encode_for, tagged_table
 from streams.settings import StreamsSettings
 
 TICK = b"tick"
@@ -43,12 +42,7 @@ class AggregatorTables:
     """The aggregator's tables (Faust tables in the worker, plain dicts in unit tests)."""
 
     groups: MutableMapping[str, dict[str, Any]]
-    members: MutableMapping[str, bytes]
     partitions: MutableMapping[str, dict[str, Any]]
-
-
-def member_key(group_id: str, member: int | str) -> str:
-    return f"{group_id}/{member}"
 
 
 def without_arrays(trajectory: dict[str, Any]) -> dict[str, Any]:
@@ -56,13 +50,20 @@ def without_arrays(trajectory: dict[str, Any]) -> dict[str, Any]:
     return {**trajectory, **{k: b"" for k in _ARRAYS}}
 
 
-def by_reference(trajectory: dict[str, Any], data: bytes, topic: str, partition: int, offset: int) -> bytes:
+def carried(trajectory: dict[str, Any], topic: str, partition: int, offset: int) -> dict[str, Any]:
     """The trajectory as the aggregator carries it on (schemas/eventref.py): its arrays left in the
     `trajectories` event it was read from, arrays_uri pointing there. One whose arrays are already
     elsewhere (an object store key) goes on as it came."""
     if trajectory["arrays_uri"] is not None:
+        return trajectory
+    return {**without_arrays(trajectory), "arrays_uri": eventref.uri(topic, partition, offset)}
+
+
+def by_reference(trajectory: dict[str, Any], data: bytes, topic: str, partition: int, offset: int) -> bytes:
+    """The encoded event of `carried` (`data` itself when it goes on as it came)."""
+    if trajectory["arrays_uri"] is not None:
         return data
-    return codec().encode(TRAJECTORY, {**without_arrays(trajectory), "arrays_uri": eventref.uri(topic, partition, offset)})
+    return codec().encode(TRAJECTORY, carried(trajectory, topic, partition, offset))
 
 
 def _partition_state(tables: AggregatorTables, partition: int) -> dict[str, Any]:
@@ -90,16 +91,12 @@ def _latency_bucket(ms: int) -> str:
 
 def _close(tables: AggregatorTables, before: dict[str, Any], decision: aggregation.Decision, partition: int,
            learner_version: int, now_ms: int) -> list[Out]:
-    """Sends what a closing decision produces, frees the members and writes the tombstone."""
+    """Sends what a closing decision produces and writes the tombstone (members freed)."""
     gid, run = before["group_id"], before["run"]
     outs: list[Out] = []
     extra: dict[str, dict[str, int]] = {}
     if decision.action == "emit":
         group = decision.group
-        full = {str(m["trajectory"]["member"]): codec().decode(tables.members[member_key(gid, m["trajectory"]["member"])],
-                                                                TRAJECTORY) for m in group["members"]}
-        group = {**group, "members": [{**m, "trajectory": full[str(m["trajectory"]["member"])]}
-                                      for m in group["members"]]}
         outs.append((topics.GROUPS, gid.encode(), encode_for(topics.GROUPS, group)))
         extra = {"latency_ms": {"first:" + _latency_bucket(now_ms - group["first_arrival_ms"]): 1,
                                 "last:" + _latency_bucket(now_ms - group["last_arrival_ms"]): 1}}
@@ -110,26 +107,21 @@ def _close(tables: AggregatorTables, before: dict[str, Any], decision: aggregati
                   "labels": {"group_id": gid, "reason": decision.reason, "task": before["task"]},
                   "source": "streams/aggregator", "at_ms": now_ms}
         outs.append((topics.METRICS, topics.GROUP_DROPPED_METRIC.encode(), encode_for(topics.METRICS, metric)))
-    for member in before["members"]:
-        key = member_key(gid, member)
-        if key in tables.members:
-            del tables.members[key]
     tables.groups[gid] = {**decision.state, "partition": partition}
     _record(tables, partition, run, decision.counts, extra)
     return outs
 
 
-def on_trajectory(tables: AggregatorTables, data: bytes, partition: int, now_ms: int,
+def on_trajectory(tables: AggregatorTables, trajectory: dict[str, Any], partition: int, now_ms: int,
                   settings: StreamsSettings) -> list[Out]:
-    """Offers one trajectory to its group; returns the group or drop metric if it closes now.
-    Raises aggregation.InvalidTrajectory for a member that cannot belong to its group."""
-    trajectory = codec().decode(data, TRAJECTORY)
+    """Offers one trajectory, as its group will carry it (`carried`), to its group; returns the
+    group or drop metric if it closes now. Raises aggregation.InvalidTrajectory for a member that
+    cannot belong to its group."""
     gid = trajectory["group_id"]
-    added = aggregation.add_member(tables.groups.get(gid), without_arrays(trajectory), now_ms)
+    added = aggregation.add_member(tables.groups.get(gid), trajectory, now_ms)
     if added.outcome != "added":
         _record(tables, partition, trajectory["run"], added.counts)
         return []
-    tables.members[member_key(gid, trajectory["member"])] = data
     state = {**added.state, "partition": partition}
     learner_version = _partition_state(tables, partition)["versions"].get(state["run"], 0)
     decision = aggregation.decide(state, now_ms, learner_version, settings)
@@ -167,49 +159,33 @@ def on_tick(tables: AggregatorTables, partition: int, now_ms: int, settings: Str
 
 
 def register(w: Wiring) -> None:
-    """Declares the aggregator's intake agents, tables, sweep timer and agent on the app."""
+    """Declares the aggregator's tables, the weights intake, the sweep timer and the agent on the app."""
     parts = w.worker.partitions
-    agg_in = w.internal_topic("aggregator", parts)
+    source, control = w.with_control(topics.TRAJECTORIES, "aggregator")
     tables = AggregatorTables(
         groups=tagged_table(w.app, "agg-groups", parts, w.topic_config),
-        members=raw_table(w.app, "agg-members", parts, w.topic_config),
         partitions=tagged_table(w.app, "agg-partition", parts, w.topic_config),
     )
     w.tables["aggregator"] = tables
 
-    @w.app.agent(w.raw_topic(topics.TRAJECTORIES), name="aggregator-intake")
-    async def trajectories_intake(stream):  # type: ignore[no-untyped-def]
-        async for event in stream.events():
-            async def forward(event=event) -> None:
-                trajectory = decode_from(topics.TRAJECTORIES, event.value)
-                if w.serves(trajectory):
-                    msg = event.message
-                    value = by_reference(trajectory, event.value, msg.topic, msg.partition, msg.offset)
-                    await agg_in.send(key=trajectory["group_id"].encode(), value=value)
-            await w.guarded(event, "aggregator-intake", forward)
-
-    @w.app.agent(w.raw_topic(topics.WEIGHTS), name="aggregator-weights-intake")
-    async def weights_intake(stream):  # type: ignore[no-untyped-def]
-        async for event in stream.events():
-            async def forward(event=event) -> None:
-                version = decode_from(topics.WEIGHTS, event.value)
-                if w.serves(version):
-                    await w.broadcast(agg_in, parts, version["run"].encode(), event.value)
-            await w.guarded(event, "aggregator-weights-intake", forward)
+    w.control_intake(topics.WEIGHTS, "aggregator-weights-intake", control, parts, w.served_version)
 
     @w.app.timer(w.worker.sweep_interval_s, name="aggregator-sweep")
     async def sweep() -> None:
-        await w.broadcast(agg_in, parts, None, TICK)
+        await w.broadcast(control, parts, None, TICK)
 
-    @w.app.agent(agg_in, name="aggregator")
+    @w.app.agent(source, name="aggregator")
     async def aggregator(stream):  # type: ignore[no-untyped-def]
         async for event in stream.events():
             async def handle(event=event) -> None:
-                p = event.message.partition
-                if event.value == TICK:
-                    await w.send(on_tick(tables, p, w.clock(), w.settings))
-                elif codec().event_type_of(event.value) == WEIGHTS:
-                    on_weights(tables, event.value, p)
+                msg = event.message
+                if msg.topic == topics.TRAJECTORIES:
+                    trajectory = decode_from(topics.TRAJECTORIES, event.value)
+                    if w.serves(trajectory):
+                        reference = carried(trajectory, msg.topic, msg.partition, msg.offset)
+                        await w.send(on_trajectory(tables, reference, msg.partition, w.clock(), w.settings))
+                elif event.value == TICK:
+                    await w.send(on_tick(tables, msg.partition, w.clock(), w.settings))
                 else:
-                    await w.send(on_trajectory(tables, event.value, p, w.clock(), w.settings))
+                    on_weights(tables, event.value, msg.partition)
             await w.guarded(event, "aggregator", handle)

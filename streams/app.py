@@ -11,22 +11,39 @@ and its flush gives up after 0.1 s without progress, so a commit could pass chan
 were never acknowledged, and a crashed worker's recovered table would lack writes whose events
 count as consumed. `drain_before_commit` makes that flush wait for every buffered write.
 
-Topology. Each job reads the DESIGN topics through a thin *intake* agent that decodes every event
-with our codec (undecodable -> `dlq` with the reason) and forwards the original bytes into an
-internal topic of the app, keyed for the job's table (this is the job's `group_by`):
+Topology. The router and the aggregator read their DESIGN topic as it is: the topic is keyed by
+group_id (DESIGN.md "Topics"), so a group's events already meet in one partition, and the job's
+table is partitioned like the topic. The small control events they also need (heartbeats, weight
+versions, timer ticks) are broadcast into every partition of a control topic of the app,
+`<app>-<job>-in`, with as many partitions as the DESIGN topics; the agent reads both topics, and
+Faust assigns partition p of both (and of the changelogs) to the same worker. The batcher's one
+global decision reads its own single-partition topic:
 
-    tasks.requested --intake(key group_id)--> <app>-router-in      --router-->     tasks
-    engines, weights --broadcast to every partition--^
-    trajectories    --intake(key group_id)--> <app>-aggregator-in  --aggregator--> groups, metrics
-    weights, sweep ticks --broadcast to every partition--^
-    groups          --intake(key run)-------> <app>-batcher-in (1 partition) --batcher--> batches
-    weights         --------------------------------^
+    tasks.requested ------------------------------------------ router -----> tasks
+    engines, weights --broadcast--> <app>-router-in ------------^
+    trajectories ---------------------------------------------- aggregator -> groups, metrics
+    weights, sweep ticks --broadcast--> <app>-aggregator-in -----^
+    groups --intake(key run)--> <app>-batcher-in (1 partition) --batcher--> batches
+    weights ----------------------------^
     steps, trajectories --metrics--> table --timer--> metrics (and JSON at /rollstream/metrics/)
 
-Broadcasting the small control events (heartbeats, weight versions, timer ticks) into every
-partition puts them in order with the data they govern, lets the per-partition agents change
-their tables while processing them (Faust allows table writes only inside stream iteration) and
-makes a replay see them in the same order.
+Every agent decodes each event with our codec (undecodable -> `dlq` with the reason and the
+event's own topic, partition and offset). Broadcasting control events into every partition lets
+the per-partition agents change their tables while processing them (Faust allows table writes only
+inside stream iteration). Reading the DESIGN topics directly spares each trajectory and each task
+request a hop through an internal topic (a second event handled and sent by the worker's one
+Python thread: bench streams measured 3.5-3.9 ms of worker CPU per trajectory with the hops,
+2.9-3.05 without); the price is that producers must key these topics by group_id with one
+partitioner, which every rollstream producer does (schemas/bus.py, librdkafka's default). The
+control topics are not in order with the data: a heartbeat or weight version reaches the router
+and aggregator about as soon as the requests and trajectories sent after it, not strictly before.
+
+Control intakes (`Wiring.control_intake`) forward one event at a time and only what a receiver
+can use: weight versions of the runs served, heartbeats of engines that serve them and are not
+older than the liveness timeout. Every receiver keeps the newest event per key (a run's highest
+version, an engine's latest heartbeat), so a brand-new app need not forward the whole history of
+`weights` and `engines` (each event into every partition): its worker is seeded with the newest
+event per key before it starts (streams/worker.py, seed_control_intakes).
 """
 
 from __future__ import annotations
@@ -36,7 +53,7 @@ import logging
 import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -47,7 +64,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from schemas import topics
 from schemas.bus import dead_letter
 from schemas.settings import KafkaSettings, ObjectStoreSettings
-from streams.serde import RAW, encode_for
+from streams.serde import DECODE_ERRORS, RAW, decode_from, encode_for
 from streams.settings import StreamsSettings
 
 log = logging.getLogger("rollstream.streams")
@@ -66,9 +83,9 @@ class WorkerSettings(BaseModel):
     datadir: Path = Path(".run/streams")
     """Faust's local data directory."""
     partitions: int = Field(8, ge=1)
-    """Partitions of the internal router/aggregator topics and their tables (the DESIGN topics have 8)."""
-    source_partitions: int = Field(8, ge=1)
-    """Partitions of the DESIGN topics steps and trajectories (infra/topics.yaml), which the metrics table mirrors."""
+    """Partitions of the DESIGN topics the jobs read by group_id (tasks.requested, steps, trajectories;
+    infra/topics.yaml has 8): the router's, aggregator's and metrics' tables and control topics mirror
+    them. `run_worker` sets it from the broker."""
     sweep_interval_s: float = Field(5.0, gt=0)
     """How often the aggregator sweeps for timed-out and stale groups."""
     metrics_interval_s: float = Field(10.0, gt=0)
@@ -115,6 +132,32 @@ Out = tuple[str, bytes | None, bytes]
 """One event to send: (topic name, key, encoded value)."""
 
 
+@dataclass(frozen=True)
+class ControlIntake:
+    """One control intake: which events of `source` it broadcasts into every partition of `target`."""
+
+    name: str
+    source: str
+    target: str
+    partitions: int
+    select: Callable[[dict[str, Any]], tuple[str, int] | None]
+    """(key, order) of an event to forward, or None to leave it; the receivers keep the newest per key."""
+
+    def newest(self, values: Iterable[bytes]) -> dict[str, bytes]:
+        """The events it would forward of a history (encoded values in log order), newest per key:
+        what its receivers keep of them. Undecodable events are left (the intake dead-letters them
+        when it reads them itself)."""
+        ranked = []
+        for value in values:
+            try:
+                found = self.select(decode_from(self.source, value))
+            except DECODE_ERRORS:
+                continue
+            if found is not None:
+                ranked.append((*found, value))
+        return newest_by_key(ranked)
+
+
 @dataclass
 class Wiring:
     """What the agent modules share: the app, the settings, the outgoing topics and helpers."""
@@ -129,6 +172,8 @@ class Wiring:
     """Each job's tables by job name, for the metrics job to read (only their owner writes)."""
     store: ObjectStoreSettings
     """Where claim-checked events go."""
+    intakes: list[ControlIntake] = field(default_factory=list)
+    """The control intakes declared, for seeding a new app (streams/worker.py)."""
 
     @property
     def batch_limit_bytes(self) -> int:
@@ -140,6 +185,10 @@ class Wiring:
         """Whether this app serves the run of a decoded event (one with a `run` field)."""
         return self.worker.run is None or event["run"] == self.worker.run
 
+    def served_version(self, version: dict[str, Any]) -> tuple[str, int] | None:
+        """A control intake's selection of weight versions: (run, version) of a run served here."""
+        return (version["run"], version["version"]) if self.serves(version) else None
+
     def raw_topic(self, name: str, *, internal: bool = False, partitions: int | None = None) -> TopicT:
         """A topic carrying raw bytes (decoding happens per event, in the agents)."""
         return self.app.topic(name, key_type=bytes, value_type=bytes, key_serializer=RAW,
@@ -148,6 +197,16 @@ class Wiring:
 
     def internal_topic(self, job: str, partitions: int) -> TopicT:
         return self.raw_topic(f"{self.worker.app_id}-{job}-in", internal=True, partitions=partitions)
+
+    def with_control(self, design_topic: str, job: str) -> tuple[TopicT, TopicT]:
+        """A job's source, the DESIGN topic and the job's control topic read together, and the
+        control topic alone (to broadcast into). The control topic is co-partitioned with the
+        DESIGN topic, so partition p of both reaches the agent that owns p of the job's tables."""
+        control = self.internal_topic(job, self.worker.partitions)
+        source = self.app.topic(design_topic, control.get_topic_name(), key_type=bytes, value_type=bytes,
+                                key_serializer=RAW, value_serializer=RAW, partitions=self.worker.partitions,
+                                config=self.topic_config)
+        return source, control
 
     @property
     def topic_config(self) -> dict[str, str]:
@@ -169,6 +228,27 @@ class Wiring:
         for p in range(partitions):
             await topic.send(key=key, value=value, partition=p)
 
+    def control_intake(self, source: str, name: str, target: TopicT, partitions: int,
+                       select: Callable[[dict[str, Any]], tuple[str, int] | None]) -> None:
+        """Declares an agent that broadcasts the events of `source` (weights, engines) that `select`
+        keeps into every partition of `target`, keyed by the key `select` gives ((key, order), or
+        None for an event this app does not need). The receivers keep only the newest event of
+        each key, so a new app's worker is seeded with the newest of the history instead of
+        forwarding all of it (`ControlIntake`, streams/worker.py: seed_control_intakes)."""
+        intake = ControlIntake(name, source, target.get_topic_name(), partitions, select)
+        self.intakes.append(intake)
+
+        @self.app.agent(self.raw_topic(source), name=name)
+        async def forward(stream):  # type: ignore[no-untyped-def]
+            # one event at a time: a take buffer holds events unacknowledged, and a rebalance
+            # waits for every event to be acknowledged (it hung a worker for good)
+            async for event in stream.events():
+                async def send(event=event) -> None:
+                    found = select(decode_from(source, event.value))
+                    if found is not None:
+                        await self.broadcast(target, partitions, found[0].encode(), event.value)
+                await self.guarded(event, name, send)
+
     def dead_letter(self, event: Any, error: Exception, consumer: str) -> Out:
         """The dlq event for a message that failed; the reason names the error."""
         msg = event.message
@@ -186,6 +266,16 @@ class Wiring:
             if not isinstance(error, ValueError):
                 log.exception("%s: unexpected failure", consumer)
             await self.send([self.dead_letter(event, error, consumer)])
+
+
+def newest_by_key(ranked: Iterable[tuple[str, int, Any]]) -> dict[str, Any]:
+    """The item of highest order for each key, of (key, order, item) in arrival order; of equal
+    orders the later one."""
+    newest: dict[str, tuple[int, Any]] = {}
+    for key, order, item in ranked:
+        if key not in newest or order >= newest[key][0]:
+            newest[key] = (order, item)
+    return {key: item for key, (_, item) in newest.items()}
 
 
 def drain_before_commit(buffer: Any) -> None:
@@ -243,6 +333,13 @@ def create_app(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
                components: Iterable[str] = COMPONENTS, *, clock: Callable[[], int] = now_ms,
                store: ObjectStoreSettings = ObjectStoreSettings()) -> faust.App:
     """A Faust App running the chosen jobs (all four by default) with these settings."""
+    return create_wiring(kafka, settings, worker, components, clock=clock, store=store).app
+
+
+def create_wiring(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSettings = WorkerSettings(),
+                  components: Iterable[str] = COMPONENTS, *, clock: Callable[[], int] = now_ms,
+                  store: ObjectStoreSettings = ObjectStoreSettings()) -> Wiring:
+    """The app of create_app with what its jobs declared on it (tables, control intakes)."""
     chosen = list(components)
     unknown = sorted(set(chosen) - set(COMPONENTS))
     if unknown:
@@ -275,4 +372,4 @@ def create_app(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
     for name in COMPONENTS:
         if name in chosen:
             registrars[name](wiring)
-    return app
+    return wiring

@@ -289,14 +289,7 @@ def register(w: Wiring) -> None:
                     await batcher_in.send(key=group["run"].encode(), value=event.value, partition=0)
             await w.guarded(event, "batcher-intake", forward)
 
-    @w.app.agent(w.raw_topic(topics.WEIGHTS), name="batcher-weights-intake")
-    async def weights_intake(stream):  # type: ignore[no-untyped-def]
-        async for event in stream.events():
-            async def forward(event=event) -> None:
-                version = decode_from(topics.WEIGHTS, event.value)
-                if w.serves(version):
-                    await batcher_in.send(key=version["run"].encode(), value=event.value, partition=0)
-            await w.guarded(event, "batcher-weights-intake", forward)
+    w.control_intake(topics.WEIGHTS, "batcher-weights-intake", batcher_in, 1, w.served_version)
 
     @w.app.timer(w.worker.sweep_interval_s, name="batcher-retry")
     async def retry_ticks() -> None:

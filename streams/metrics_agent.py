@@ -121,7 +121,7 @@ def metric_events(summary: Mapping[str, Any], worker: str, now_ms: int) -> list[
 
 def register(w: Wiring) -> None:
     """Declares the metrics agent, its table, the publishing timer and the JSON view."""
-    table = tagged_table(w.app, "metrics-tasks", w.worker.source_partitions, w.topic_config)
+    table = tagged_table(w.app, "metrics-tasks", w.worker.partitions, w.topic_config)
     source = w.app.topic(topics.STEPS, topics.TRAJECTORIES, key_type=bytes, value_type=bytes,
                          key_serializer="raw", value_serializer="raw")
 

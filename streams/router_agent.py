@@ -1,9 +1,10 @@
 """Router: tasks.requested + engines + weights -> tasks, each with its per-turn pool plan.
 
 The plan comes from routing.plan_turn_pools; this module only keeps the engine registry and the
-learner version per run in a table and moves events. Heartbeats and weight versions are
-broadcast into every partition of the router's internal topic, so each partition holds its own
-copy of the registry (table key "p<partition>") next to the requests it routes.
+learner version per run in a table and moves events. The agent reads `tasks.requested` as it is
+(keyed by group_id) together with the router's control topic: heartbeats and weight versions are
+broadcast into every partition of the control topic, so each partition holds its own copy of the
+registry (table key "p<partition>") next to the requests it routes.
 """
 
 from __future__ import annotations
@@ -31,21 +32,34 @@ def empty_state() -> dict[str, Any]:
 
 def on_router_event(state_table: MutableMapping[str, Any], data: bytes, partition: int, now_ms: int,
                     settings: StreamsSettings) -> list[Out]:
-    """Applies one event of the router's internal topic; returns the tasks event(s) to send."""
+    """Applies one event (a request or a control event); returns the tasks event(s) to send."""
+    kind = codec().event_type_of(data)
+    if kind == REQUEST:
+        return on_request(state_table, codec().decode(data, REQUEST), partition, now_ms, settings)
+    on_control(state_table, data, partition)
+    return []
+
+
+def on_control(state_table: MutableMapping[str, Any], data: bytes, partition: int) -> None:
+    """Folds an engine heartbeat or a weight version into this partition's state."""
     kind = codec().event_type_of(data)
     key = partition_key(partition)
     state = state_table.get(key) or empty_state()
     if kind == HEARTBEAT:
-        state = {**state, "registry": routing.fold_heartbeat(state["registry"], codec().decode(data, HEARTBEAT))}
-        state_table[key] = state
-        return []
-    if kind == WEIGHTS:
+        state_table[key] = {**state, "registry": routing.fold_heartbeat(state["registry"],
+                                                                        codec().decode(data, HEARTBEAT))}
+    elif kind == WEIGHTS:
         w = codec().decode(data, WEIGHTS)
-        held = state["versions"].get(w["run"], 0)
-        if w["version"] > held:
+        if w["version"] > state["versions"].get(w["run"], 0):
             state_table[key] = {**state, "versions": {**state["versions"], w["run"]: w["version"]}}
-        return []
-    request = codec().decode(data, REQUEST)
+    else:
+        raise ValueError(f"the router's control topic carries heartbeats and weight versions, not {kind}")
+
+
+def on_request(state_table: MutableMapping[str, Any], request: dict[str, Any], partition: int, now_ms: int,
+               settings: StreamsSettings) -> list[Out]:
+    """Plans one task request from this partition's registry; returns its tasks event."""
+    state = state_table.get(partition_key(partition)) or empty_state()
     pools = routing.pool_states(state["registry"], now_ms, int(settings.engine_liveness_s * 1000))
     plan = routing.plan_turn_pools(
         request["run"], request["group_id"], request["member"], settings.max_turns, settings.stale_ratio,
@@ -56,41 +70,32 @@ def on_router_event(state_table: MutableMapping[str, Any], data: bytes, partitio
 
 
 def register(w: Wiring) -> None:
-    """Declares the router's intake agents, its table and the routing agent on the app."""
+    """Declares the router's control intakes, its table and the routing agent on the app."""
     parts = w.worker.partitions
-    router_in = w.internal_topic("router", parts)
+    source, control = w.with_control(topics.TASKS_REQUESTED, "router")
     table = tagged_table(w.app, "router-state", parts, w.topic_config)
 
-    @w.app.agent(w.raw_topic(topics.TASKS_REQUESTED), name="router-requests-intake")
-    async def requests_intake(stream):  # type: ignore[no-untyped-def]
-        async for event in stream.events():
-            async def forward(event=event) -> None:
-                request = decode_from(topics.TASKS_REQUESTED, event.value)
-                if w.serves(request):
-                    await router_in.send(key=request["group_id"].encode(), value=event.value)
-            await w.guarded(event, "router-requests-intake", forward)
+    liveness_ms = int(w.settings.engine_liveness_s * 1000)
 
-    @w.app.agent(w.raw_topic(topics.ENGINES), name="router-engines-intake")
-    async def engines_intake(stream):  # type: ignore[no-untyped-def]
-        async for event in stream.events():
-            async def forward(event=event) -> None:
-                heartbeat = decode_from(topics.ENGINES, event.value)
-                if routing.serves_run(heartbeat, w.worker.run):  # another run's engines hold other weights
-                    await w.broadcast(router_in, parts, heartbeat["engine_id"].encode(), event.value)
-            await w.guarded(event, "router-engines-intake", forward)
+    def live_heartbeat(hb: dict[str, Any]) -> tuple[str, int] | None:
+        # Another run's engines hold other weights; a heartbeat older than the liveness timeout
+        # never counts (routing.is_live), and most of a new app's history of `engines` is such.
+        if not routing.serves_run(hb, w.worker.run) or w.clock() - hb["sent_at_ms"] > liveness_ms:
+            return None
+        return hb["engine_id"], hb["sent_at_ms"]
 
-    @w.app.agent(w.raw_topic(topics.WEIGHTS), name="router-weights-intake")
-    async def weights_intake(stream):  # type: ignore[no-untyped-def]
-        async for event in stream.events():
-            async def forward(event=event) -> None:
-                version = decode_from(topics.WEIGHTS, event.value)
-                if w.serves(version):
-                    await w.broadcast(router_in, parts, version["run"].encode(), event.value)
-            await w.guarded(event, "router-weights-intake", forward)
+    w.control_intake(topics.ENGINES, "router-engines-intake", control, parts, live_heartbeat)
+    w.control_intake(topics.WEIGHTS, "router-weights-intake", control, parts, w.served_version)
 
-    @w.app.agent(router_in, name="router")
+    @w.app.agent(source, name="router")
     async def router(stream):  # type: ignore[no-untyped-def]
         async for event in stream.events():
             async def route(event=event) -> None:
-                await w.send(on_router_event(table, event.value, event.message.partition, w.clock(), w.settings))
+                msg = event.message
+                if msg.topic != topics.TASKS_REQUESTED:
+                    on_control(table, event.value, msg.partition)
+                    return
+                request = decode_from(topics.TASKS_REQUESTED, event.value)
+                if w.serves(request):
+                    await w.send(on_request(table, request, msg.partition, w.clock(), w.settings))
             await w.guarded(event, "router", route)

@@ -8,16 +8,18 @@ share the partitions; standby replicas take over a dead worker's tables.
 from __future__ import annotations
 
 import logging
+import sys
+import time
 from collections.abc import Iterable
 
 import faust
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from faust.worker import Worker
 
 from schemas import topics
 from schemas.settings import KafkaSettings, ObjectStoreSettings
-from streams.app import COMPONENTS, WorkerSettings, create_app
+from streams.app import COMPONENTS, ControlIntake, WorkerSettings, create_wiring
 from streams.settings import StreamsSettings
 
 # Data topics a new deployment may skip the history of; weights and engines are always read from
@@ -45,19 +47,127 @@ def start_at_end(kafka: KafkaSettings, app_id: str, topic_names: Iterable[str] =
         consumer.close()
 
 
+SEED_READ_TIMEOUT_S = 120.0
+"""How long seeding a new app may take to read the history of its control sources."""
+
+
+def read_history(consumer: Consumer, parts: list[TopicPartition], timeout_s: float = SEED_READ_TIMEOUT_S
+                 ) -> tuple[dict[str, list[bytes]], list[TopicPartition]]:
+    """Every event of these topic partitions up to their current end ({topic: values in log order
+    per partition}) and those ends."""
+    ends, remaining = [], {}
+    for tp in parts:
+        low, high = consumer.get_watermark_offsets(tp, timeout=10)
+        ends.append(TopicPartition(tp.topic, tp.partition, high))
+        if high > low:
+            remaining[(tp.topic, tp.partition)] = high
+    history: dict[str, list[bytes]] = {tp.topic: [] for tp in parts}
+    consumer.assign([TopicPartition(t, p, OFFSET_BEGINNING) for t, p in remaining])
+    deadline = time.monotonic() + timeout_s
+    while remaining:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"reading {sorted(remaining)} to their end took over {timeout_s:g} s")
+        for msg in consumer.consume(1000, timeout=1):
+            if msg.error():
+                if msg.error().code() == KafkaError._PARTITION_EOF:
+                    continue
+                raise RuntimeError(f"reading {msg.topic()}[{msg.partition()}]: {msg.error()}")
+            where = (msg.topic(), msg.partition())
+            if where not in remaining or msg.offset() >= remaining[where]:
+                continue
+            history[msg.topic()].append(msg.value())
+            if msg.offset() >= remaining[where] - 1:
+                del remaining[where]
+    return history, ends
+
+
+def seed_control_intakes(kafka: KafkaSettings, app_id: str, intakes: Iterable[ControlIntake]) -> dict[str, int] | None:
+    """For an app id that has never committed on its control sources (weights, engines), sends what
+    its control intakes would leave in their targets after reading the sources' whole history (the
+    newest event of each key, ControlIntake.newest) and commits the sources' current end, so its
+    first worker starts current. Forwarding every weight version and heartbeat ever sent into every
+    partition cost a new app on a long-lived broker minutes of catching up. Returns the events each
+    intake sent (by name), or None, changing nothing, when the app has committed on them already.
+    Seeding twice (a crash before the commit) sends the same newest events again: receivers keep
+    the newest per key, so nothing changes."""
+    intakes = list(intakes)
+    sources = sorted({intake.source for intake in intakes})
+    if not sources:
+        return None
+    consumer = Consumer(kafka.as_confluent(**{"group.id": app_id, "enable.auto.commit": False,
+                                              "enable.partition.eof": False}))
+    try:
+        parts = []
+        for name in sources:
+            meta = consumer.list_topics(name, timeout=10).topics[name]
+            parts += [TopicPartition(name, p) for p in meta.partitions]
+        if any(tp.offset >= 0 for tp in consumer.committed(parts, timeout=10)):
+            return None
+        history, ends = read_history(consumer, parts)
+        producer = Producer(kafka.as_confluent(**{"acks": "all", "enable.idempotence": True}))
+        failures: list[str] = []
+
+        def delivered(error: KafkaError | None, msg: object) -> None:
+            if error is not None:
+                failures.append(str(error))
+
+        sent: dict[str, int] = {}
+        for intake in intakes:
+            newest = intake.newest(history[intake.source])
+            for key, value in newest.items():
+                for partition in range(intake.partitions):
+                    producer.produce(intake.target, key=key.encode(), value=value, partition=partition,
+                                     on_delivery=delivered)
+                    producer.poll(0)
+            sent[intake.name] = len(newest) * intake.partitions
+        if producer.flush(30) or failures:
+            raise RuntimeError(f"seeding the control intakes of {app_id}: "
+                               f"{failures[0] if failures else 'events not acknowledged within 30 s'}")
+        consumer.commit(offsets=ends, asynchronous=False)
+        return sent
+    finally:
+        consumer.close()
+
+
 def internal_topics(app: faust.App) -> dict[str, tuple[int, dict[str, str]]]:
-    """The topics the app makes for itself: its agents' internal input topics and its tables'
-    changelogs, {name: (partitions, config)}."""
+    """The topics the app makes for itself, {name: (partitions, config)}: its tables' changelogs
+    and the topics its agents read that are named after the app (internal intakes, and the control
+    topics read together with a DESIGN topic, which the infra scripts own)."""
     found: dict[str, tuple[int, dict[str, str]]] = {}
+    prefix = f"{app.conf.id}-"
     channels = [agent.channel for agent in app.agents.values()] + [t.changelog_topic for t in app.tables.values()]
     for channel in channels:
-        if getattr(channel, "internal", False):
-            config = dict(channel.config or {})
-            if getattr(channel, "compacting", False):  # a changelog keeps the last value of each key
-                config["cleanup.policy"] = "compact"
-            for name in channel.topics:
+        config = dict(getattr(channel, "config", None) or {})
+        if getattr(channel, "compacting", False):  # a changelog keeps the last value of each key
+            config["cleanup.policy"] = "compact"
+        for name in getattr(channel, "topics", ()):
+            if name.startswith(prefix):
                 found[name] = (channel.partitions, config)
     return found
+
+
+class PartitionsMismatch(ValueError):
+    """The DESIGN topics a worker reads by group_id have different partition counts."""
+
+
+BY_GROUP: tuple[str, ...] = (topics.TASKS_REQUESTED, topics.STEPS, topics.TRAJECTORIES)
+"""The DESIGN topics keyed by group_id that the jobs' tables are partitioned like."""
+
+
+def group_partitions(kafka: KafkaSettings, topic_names: Iterable[str] = BY_GROUP) -> int:
+    """The partition count of the DESIGN topics the jobs read by group_id (the same for all of
+    them, or PartitionsMismatch: a table and its changelog must be partitioned like its source)."""
+    admin = AdminClient(kafka.as_confluent())
+    existing = admin.list_topics(timeout=10).topics
+    counts = {name: len(existing[name].partitions) if name in existing else 0 for name in topic_names}
+    missing = sorted(name for name, n in counts.items() if n == 0)
+    if missing:
+        raise PartitionsMismatch(f"topics {', '.join(missing)} do not exist: create them first "
+                                 "(rollstream infra init)")
+    if len(set(counts.values())) != 1:
+        raise PartitionsMismatch("the streams jobs read " + ", ".join(f"{n} ({c} partitions)" for n, c in counts.items())
+                                 + " by group_id and need them partitioned alike")
+    return next(iter(counts.values()))
 
 
 def declare_internal_topics(kafka: KafkaSettings, app: faust.App) -> list[str]:
@@ -91,8 +201,15 @@ def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
     from_now: a brand-new app id skips the data topics' history (start_at_end)."""
     if from_now:
         start_at_end(kafka, worker.app_id)
-    app = create_app(kafka, settings, worker, components, store=store)
+    worker = worker.model_copy(update={"partitions": group_partitions(kafka)})
+    wiring = create_wiring(kafka, settings, worker, components, store=store)
+    app = wiring.app
     declare_internal_topics(kafka, app)
+    seeded = seed_control_intakes(kafka, worker.app_id, wiring.intakes)
+    if seeded is not None:
+        # before the Worker configures logging: straight to stderr
+        print(f"new app {worker.app_id}: its control intakes were seeded with the newest of their sources' "
+              f"history ({seeded})", file=sys.stderr)
     # aiokafka logs every request at DEBUG and its loggers are left enabled: building those
     # records cost about a tenth of the worker's CPU in profiles
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(loglevel.upper())))

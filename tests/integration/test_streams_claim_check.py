@@ -36,7 +36,7 @@ def test_batches_above_the_limit_are_stored_in_minio_and_replay_decodes_them(inf
     app_id = f"streams-claim-{uuid.uuid4().hex[:8]}"
     start_at_end(infra.kafka, app_id)
     worker = WorkerProcess(app_id, tmp_path / "data", tmp_path / "worker.log", [
-        "--partitions", "2", "--no-web", "--group-size", str(N), "--batch-size", "1", "--first-batch-factor", "1.0",
+        "--no-web", "--group-size", str(N), "--batch-size", "1", "--first-batch-factor", "1.0",
         "--batch-offload-bytes", str(LIMIT)]).start()
     r = BenchRun(infra.kafka, f"claim-{uuid.uuid4().hex[:8]}", seed=5, group_size=N, tokens=512,
                  topic_names=[topics.GROUPS])

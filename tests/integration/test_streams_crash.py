@@ -21,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 N = 4
 GROUPS = 10
-OPTIONS = ["--partitions", "2", "--no-web", "--sweep-interval-s", "0.5", "--group-size", str(N),
+OPTIONS = ["--no-web", "--sweep-interval-s", "0.5", "--group-size", str(N),
            "--batch-size", "1", "--first-batch-factor", "1.0", "--group-timeout-s", "300"]
 
 

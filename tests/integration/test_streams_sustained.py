@@ -28,7 +28,7 @@ def test_every_group_of_a_sustained_stream_is_emitted_and_batched_exactly_once(i
     app_id = f"streams-sustained-{uuid.uuid4().hex[:8]}"
     start_at_end(infra.kafka, app_id)
     worker = WorkerProcess(app_id, tmp_path / "data", tmp_path / "worker.log", [
-        "--partitions", "2", "--no-web", "--group-size", str(N), "--batch-size", "1",
+        "--no-web", "--group-size", str(N), "--batch-size", "1",
         "--first-batch-factor", "1.0", "--sweep-interval-s", "0.5"]).start()
     r = BenchRun(infra.kafka, f"sustained-{uuid.uuid4().hex[:8]}", seed=3, group_size=N, tokens=64,
                  topic_names=[topics.GROUPS])

@@ -25,7 +25,7 @@ from streams import router_agent as rt
 from streams import routing
 from streams.advantages import grpo_advantages
 from streams.app import (RECORD_OVERHEAD_BYTES, WorkerSettings, Wiring, broker_credentials, create_app,
-                         drain_before_commit)
+                         create_wiring, drain_before_commit, newest_by_key)
 from streams.serde import TaggedJSON
 from streams.settings import StreamsSettings
 
@@ -35,44 +35,53 @@ T0 = 1_000_000
 
 
 def _tables() -> agg.AggregatorTables:
-    return agg.AggregatorTables({}, {}, {})
+    return agg.AggregatorTables({}, {})
 
 
 def _encoded(gid: str, member: int, reward: float, **kw) -> bytes:
     return codec().encode("trajectory", trajectory("r", gid, member, N, reward, num_tokens=8 + member, **kw))
 
 
+def _offer(tables: agg.AggregatorTables, data: bytes, partition: int, now_ms: int, settings: StreamsSettings):
+    """What the aggregator agent does with a `trajectories` event (at offset 1000 + member)."""
+    t = codec().decode(data, "trajectory")
+    return agg.on_trajectory(tables, agg.carried(t, topics.TRAJECTORIES, partition, 1000 + t["member"]), partition,
+                             now_ms, settings)
+
+
 def _decode_outs(outs):
     return [(topic, codec().decode(value, topics.EVENT_OF_TOPIC[topic])) for topic, _, value in outs]
 
 
-def test_group_is_emitted_with_full_members_when_the_last_arrives_and_members_are_freed():
+def test_group_is_emitted_with_its_members_referring_to_their_events_and_the_state_frees_them():
     tables = _tables()
     rewards = [1.0, 0.0, 0.5, 1.0]
     sent = [_encoded("g", m, r) for m, r in enumerate(rewards)]
-    outs = [agg.on_trajectory(tables, data, 0, T0 + m, S) for m, data in enumerate(sent)]
+    outs = [_offer(tables, data, 0, T0 + m, S) for m, data in enumerate(sent)]
     assert outs[:3] == [[], [], []]
     [(topic, group)] = _decode_outs(outs[3])
     assert topic == topics.GROUPS and group["completion"] == "complete"
     np.testing.assert_allclose([m["advantage"] for m in group["members"]], grpo_advantages(rewards, ["g"] * N))
-    assert [m["trajectory"] for m in group["members"]] == [codec().decode(data, "trajectory") for data in sent]
-    assert tables.members == {}
+    assert [m["trajectory"] for m in group["members"]] == [
+        agg.carried(codec().decode(data, "trajectory"), topics.TRAJECTORIES, 0, 1000 + m) for m, data in enumerate(sent)]
+    assert [m["trajectory"]["arrays_uri"] for m in group["members"]] == [
+        f"kafka://trajectories/0/{1000 + m}" for m in range(N)]
+    assert tables.groups["g"]["members"] == {}
     assert tables.groups["g"]["closed"] == "emitted" and tables.groups["g"]["partition"] == 0
 
 
 def test_group_state_keeps_no_token_arrays():
     tables = _tables()
-    data = _encoded("g", 0, 1.0)
-    agg.on_trajectory(tables, data, 0, T0, S)
+    _offer(tables, _encoded("g", 0, 1.0), 0, T0, S)
     member = tables.groups["g"]["members"]["0"]
     assert (member["input_ids"], member["loss_mask"], member["rollout_logprobs"]) == (b"", b"", b"")
-    assert tables.members["g/0"] == data
+    assert member["arrays_uri"] == "kafka://trajectories/0/1000"
 
 
 def test_duplicate_member_is_dropped_and_counted():
     tables = _tables()
-    agg.on_trajectory(tables, _encoded("g", 0, 1.0), 1, T0, S)
-    assert agg.on_trajectory(tables, _encoded("g", 0, 1.0), 1, T0 + 5, S) == []
+    _offer(tables, _encoded("g", 0, 1.0), 1, T0, S)
+    assert _offer(tables, _encoded("g", 0, 1.0), 1, T0 + 5, S) == []
     assert tables.groups["g"]["arrivals"] == {"0": T0}
     assert tables.partitions["p1"]["stats"]["r"]["counters"] == {"duplicates": 1}
 
@@ -80,8 +89,8 @@ def test_duplicate_member_is_dropped_and_counted():
 def test_tick_closes_only_its_own_partitions_timed_out_groups():
     tables = _tables()
     for m in range(3):
-        agg.on_trajectory(tables, _encoded("a", m, float(m)), 0, T0, S)
-        agg.on_trajectory(tables, _encoded("b", m, float(m)), 1, T0, S)
+        _offer(tables, _encoded("a", m, float(m)), 0, T0, S)
+        _offer(tables, _encoded("b", m, float(m)), 1, T0, S)
     assert agg.on_tick(tables, 0, T0 + 9_999, S) == []
     [(topic, group)] = _decode_outs(agg.on_tick(tables, 0, T0 + 10_000, S))
     assert (topic, group["group_id"], group["completion"]) == (topics.GROUPS, "a", "timeout")
@@ -90,24 +99,24 @@ def test_tick_closes_only_its_own_partitions_timed_out_groups():
 
 def test_group_with_too_few_members_is_reported_as_dropped_metric():
     tables = _tables()
-    agg.on_trajectory(tables, _encoded("g", 0, 1.0), 0, T0, S)
+    _offer(tables, _encoded("g", 0, 1.0), 0, T0, S)
     [(topic, metric)] = _decode_outs(agg.on_tick(tables, 0, T0 + 10_000, S))
     assert (topic, metric["name"], metric["labels"]["group_id"], metric["labels"]["reason"]) == \
         (topics.METRICS, "streams/group_dropped", "g", "too_few_members")
-    assert tables.members == {}
+    assert tables.groups["g"]["members"] == {}
 
 
 def test_group_behind_the_learner_by_more_than_max_staleness_is_dropped():
     tables = _tables()
     agg.on_weights(tables, codec().encode("weight_version", weights("r", 100)), 0)
-    [(_, metric)] = _decode_outs(agg.on_trajectory(tables, _encoded("g", 0, 1.0, version=10), 0, T0, S))
+    [(_, metric)] = _decode_outs(_offer(tables, _encoded("g", 0, 1.0, version=10), 0, T0, S))
     assert metric["labels"]["reason"] == "stale"
 
 
 def test_expired_tombstones_are_deleted_by_the_sweep():
     tables = _tables()
     for m in range(N):
-        agg.on_trajectory(tables, _encoded("g", m, float(m)), 0, T0, S)
+        _offer(tables, _encoded("g", m, float(m)), 0, T0, S)
     agg.on_tick(tables, 0, T0 + int(S.closed_retention_s * 1000), S)
     assert "g" not in tables.groups
 
@@ -380,6 +389,53 @@ def test_commit_flush_waits_past_fausts_give_up_for_every_buffered_write():
         await buffer.flush()  # nothing left to wait for
 
     asyncio.run(scenario())
+
+
+def test_the_router_control_topic_refuses_what_is_not_a_heartbeat_or_weight_version():
+    with pytest.raises(ValueError, match="not task_requested"):
+        rt.on_control({}, codec().encode("task_requested", samples.task_requested(0)), 0)
+
+
+def test_newest_by_key_keeps_the_highest_order_of_each_key_and_the_later_of_equals():
+    ranked = [("run-a", 3, "a3"), ("run-b", 1, "b1"), ("run-a", 5, "a5"), ("run-a", 4, "a4"), ("run-b", 1, "b1-again")]
+    assert newest_by_key(ranked) == {"run-a": "a5", "run-b": "b1-again"}
+    assert newest_by_key([]) == {}
+
+
+def _intakes(run: str | None, now_ms: int) -> dict[str, object]:
+    wiring = create_wiring(KafkaSettings(), S, WorkerSettings(app_id="unit", web_enabled=False, run=run),
+                           clock=lambda: now_ms)
+    return {intake.name: intake for intake in wiring.intakes}
+
+
+def test_a_new_app_is_seeded_with_the_newest_weight_version_of_each_served_run_only():
+    intakes = _intakes("run-a", T0)
+    assert {name: (i.source, i.target, i.partitions) for name, i in intakes.items()} == {
+        "router-engines-intake": (topics.ENGINES, "unit-router-in", 8),
+        "router-weights-intake": (topics.WEIGHTS, "unit-router-in", 8),
+        "aggregator-weights-intake": (topics.WEIGHTS, "unit-aggregator-in", 8),
+        "batcher-weights-intake": (topics.WEIGHTS, "unit-batcher-in", 1)}
+
+    def version(run: str, v: int) -> bytes:
+        return codec().encode("weight_version", {**samples.weight_version(), "run": run, "version": v})
+
+    history = [version("run-a", 1), version("run-b", 7), version("run-a", 3), b"\x00not avro",
+               version("run-a", 2)]
+    for name in ("router-weights-intake", "aggregator-weights-intake", "batcher-weights-intake"):
+        assert intakes[name].newest(history) == {"run-a": version("run-a", 3)}
+
+
+def test_the_engines_intake_forwards_only_live_heartbeats_of_engines_serving_the_run():
+    def heartbeat(engine: str, run: str, age_ms: int) -> dict:
+        return {**samples.engine_heartbeat(), "engine_id": engine, "run": run, "sent_at_ms": T0 - age_ms}
+
+    select = _intakes("run-a", T0)["router-engines-intake"].select
+    liveness_ms = int(S.engine_liveness_s * 1000)
+    assert select(heartbeat("e1", "run-a", 0)) == ("e1", T0)
+    assert select(heartbeat("e1", "", liveness_ms)) == ("e1", T0 - liveness_ms)  # names no run: any run's
+    assert select(heartbeat("e1", "run-a", liveness_ms + 1)) is None  # routing.is_live never counts it
+    assert select(heartbeat("e2", "run-b", 0)) is None
+    assert _intakes(None, T0)["router-engines-intake"].select(heartbeat("e2", "run-b", 0)) == ("e2", T0)
 
 
 def test_a_tagged_tables_changelog_reads_back_the_bytes_it_wrote():
