@@ -76,12 +76,17 @@ def register(w: Wiring) -> None:
     table = tagged_table(w.app, "router-state", parts, w.topic_config)
 
     liveness_ms = int(w.settings.engine_liveness_s * 1000)
+    forwarded: dict[str, dict[str, Any]] = {}  # engine_id -> its last heartbeat forwarded (by this process)
 
     def live_heartbeat(hb: dict[str, Any]) -> tuple[str, int] | None:
         # Another run's engines hold other weights; a heartbeat older than the liveness timeout
         # never counts (routing.is_live), and most of a new app's history of `engines` is such.
         if not routing.serves_run(hb, w.worker.run) or w.clock() - hb["sent_at_ms"] > liveness_ms:
             return None
+        # refreshed at a third of the liveness timeout: the router's copy is never near expiry
+        if not routing.is_news(forwarded.get(hb["engine_id"]), hb, liveness_ms // 3):
+            return None
+        forwarded[hb["engine_id"]] = hb
         return hb["engine_id"], hb["sent_at_ms"]
 
     w.control_intake(topics.ENGINES, "router-engines-intake", control, parts, live_heartbeat)

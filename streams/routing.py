@@ -136,6 +136,23 @@ def fold_heartbeat(registry: Mapping[str, dict[str, Any]], heartbeat: dict[str, 
     return {**registry, heartbeat["engine_id"]: dict(heartbeat)}
 
 
+ROUTED_FIELDS = ("pool", "healthy", "loaded_version", "run")
+"""What the router reads of a heartbeat besides its age (pool_states, serves_run)."""
+
+
+def is_news(forwarded: Mapping[str, Any] | None, heartbeat: Mapping[str, Any], refresh_ms: int) -> bool:
+    """Whether the router needs this heartbeat, given the engine's last one forwarded to it: the
+    engine is new to it, something the router reads changed, or the last one forwarded is
+    `refresh_ms` old. Engines beat every few seconds while the router only needs to know them live
+    within the liveness timeout, and each heartbeat forwarded is written into every partition."""
+    if forwarded is None:
+        return True
+    if heartbeat["sent_at_ms"] < forwarded["sent_at_ms"]:
+        return False  # older than what the router holds: fold_heartbeat ignores it
+    return (any(heartbeat[f] != forwarded[f] for f in ROUTED_FIELDS)
+            or heartbeat["sent_at_ms"] - forwarded["sent_at_ms"] >= refresh_ms)
+
+
 def serves_run(heartbeat: Mapping[str, Any], run: str | None) -> bool:
     """Whether a heartbeat's engine may be routed turns of `run` (None: any run): it serves that run,
     or names none (heartbeats written before they carried a run)."""

@@ -5,7 +5,8 @@ import pytest
 from schemas.codec import encode
 from streams.routing import (
     REASON_MIXED, REASON_NO_STALE_ENGINE, REASON_RATIO_ZERO, REASON_STALE_BEHIND, REASON_VALIDATION,
-    PoolState, fold_heartbeat, plan_turn_pools, pool_states, routing_seed, serves_run, stale_schedule, task_event,
+    PoolState, fold_heartbeat, is_news, plan_turn_pools, pool_states, routing_seed, serves_run, stale_schedule,
+    task_event,
 )
 
 STALE_OK = PoolState(engines=("s0",), loaded_version=25)
@@ -122,3 +123,18 @@ def test_pool_without_live_engines_is_unhealthy():
 @pytest.mark.parametrize("member", range(3))
 def test_plans_differ_between_members_of_one_group(member):
     assert plan(member=member).turn_pools != plan(member=member + 10).turn_pools
+
+
+def test_a_steady_heartbeat_is_news_to_the_router_only_once_per_refresh_period():
+    first = heartbeat("s0", "stale", 3, 1_000)
+    assert is_news(None, first, 10_000)  # an engine the router has not heard of
+    assert not is_news(first, heartbeat("s0", "stale", 3, 3_000), 10_000)
+    assert not is_news(first, {**heartbeat("s0", "stale", 3, 9_000), "queue_depth": 7, "running": 4}, 10_000)
+    assert is_news(first, heartbeat("s0", "stale", 3, 11_000), 10_000)
+    assert not is_news(first, heartbeat("s0", "stale", 4, 500), 10_000)  # older than the one held
+
+
+@pytest.mark.parametrize("change", [{"loaded_version": 4}, {"healthy": False}, {"pool": "current"}, {"run": ""}])
+def test_a_heartbeat_that_changes_what_routing_reads_is_news_at_once(change):
+    first = heartbeat("s0", "stale", 3, 1_000)
+    assert is_news(first, {**heartbeat("s0", "stale", 3, 3_000), **change}, 10_000)

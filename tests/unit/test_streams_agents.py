@@ -432,10 +432,26 @@ def test_the_engines_intake_forwards_only_live_heartbeats_of_engines_serving_the
     select = _intakes("run-a", T0)["router-engines-intake"].select
     liveness_ms = int(S.engine_liveness_s * 1000)
     assert select(heartbeat("e1", "run-a", 0)) == ("e1", T0)
-    assert select(heartbeat("e1", "", liveness_ms)) == ("e1", T0 - liveness_ms)  # names no run: any run's
-    assert select(heartbeat("e1", "run-a", liveness_ms + 1)) is None  # routing.is_live never counts it
+    assert select(heartbeat("e3", "", liveness_ms)) == ("e3", T0 - liveness_ms)  # names no run: any run's
+    assert select(heartbeat("e4", "run-a", liveness_ms + 1)) is None  # routing.is_live never counts it
     assert select(heartbeat("e2", "run-b", 0)) is None
     assert _intakes(None, T0)["router-engines-intake"].select(heartbeat("e2", "run-b", 0)) == ("e2", T0)
+
+
+def test_the_engines_intake_forwards_an_engines_steady_beats_once_per_third_of_the_liveness_timeout():
+    liveness_ms = int(S.engine_liveness_s * 1000)
+    now = [T0]
+    wiring = create_wiring(KafkaSettings(), S, WorkerSettings(app_id="unit", web_enabled=False), clock=lambda: now[0])
+    select = next(i for i in wiring.intakes if i.name == "router-engines-intake").select
+    forwarded = []
+    for sent in range(T0, T0 + liveness_ms, 2000):  # beats every 2 s for one liveness timeout
+        now[0] = sent
+        if select({**samples.engine_heartbeat(), "sent_at_ms": sent, "queue_depth": sent % 7}):
+            forwarded.append(sent - T0)
+    assert forwarded == [0, 10_000, 20_000]
+    now[0] += 1
+    moved = {**samples.engine_heartbeat(), "sent_at_ms": now[0], "loaded_version": 99}
+    assert select(moved) == (moved["engine_id"], now[0])  # a new loaded version is routed on at once
 
 
 def test_a_tagged_tables_changelog_reads_back_the_bytes_it_wrote():
