@@ -15,6 +15,8 @@ import base64
 import json
 from typing import Any
 
+import orjson
+
 from faust.serializers.codecs import Codec
 
 from schemas import topics
@@ -39,10 +41,15 @@ def _hook(obj: dict[str, Any]) -> Any:
 
 
 class TaggedJSON(Codec):
-    """JSON with bytes as {"$b": base64}: table values survive the changelog byte-exact."""
+    """JSON with bytes as {"$b": base64}: table values survive the changelog byte-exact.
+
+    Written with orjson: every table write is encoded in the worker's one Python thread, and
+    orjson took a fifth of the standard library's time for a group's state (bench streams). Keys
+    that are not strings are written as strings, as the standard library does; NaN and infinities,
+    which no table holds, would be written as null."""
 
     def _dumps(self, obj: Any) -> bytes:
-        return json.dumps(obj, default=_default, separators=(",", ":")).encode()
+        return orjson.dumps(obj, default=_default, option=orjson.OPT_NON_STR_KEYS)
 
     def _loads(self, s: bytes) -> Any:
         return json.loads(s, object_hook=_hook)

@@ -309,9 +309,11 @@ def test_router_plans_from_the_folded_heartbeats_and_learner_version():
 
 
 def test_table_codec_round_trips_bytes_inside_nested_values():
-    value = {"members": {"0": {"input_ids": b"\x00\xff", "turns": [{"n": 1}]}}, "closed": None}
+    value = {"members": {"0": {"input_ids": b"\x00\xff", "turns": [{"n": 1}]}}, "closed": None,
+             "empty": b"", "reward": 0.1, "pair": ["a", 2]}
     codec_ = TaggedJSON()
     assert codec_.loads(codec_.dumps(value)) == value
+    assert codec_.loads(codec_.dumps({1: (b"x", 2)})) == {"1": [b"x", 2]}  # as the standard library writes them
 
 
 def test_metrics_summary_has_the_per_task_figures():
