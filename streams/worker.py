@@ -27,17 +27,25 @@ from streams.settings import StreamsSettings
 SKIPPABLE: tuple[str, ...] = (topics.TASKS_REQUESTED, topics.STEPS, topics.TRAJECTORIES, topics.GROUPS)
 
 
+def never_committed(consumer: Consumer, topic_names: Iterable[str]) -> list[TopicPartition] | None:
+    """The partitions of these topics, or None when the consumer's group has committed on any."""
+    parts = []
+    for name in topic_names:
+        meta = consumer.list_topics(name, timeout=10).topics[name]
+        parts += [TopicPartition(name, p) for p in meta.partitions]
+    if any(tp.offset >= 0 for tp in consumer.committed(parts, timeout=10)):
+        return None
+    return parts
+
+
 def start_at_end(kafka: KafkaSettings, app_id: str, topic_names: Iterable[str] = SKIPPABLE) -> bool:
     """For an app id that has never committed, commits the current end of each data topic, so its
     first worker starts with what is produced from now on instead of the topics' whole history.
     Returns False (and changes nothing) when the group already has committed offsets."""
     consumer = Consumer(kafka.as_confluent(**{"group.id": app_id, "enable.auto.commit": False}))
     try:
-        parts = []
-        for name in topic_names:
-            meta = consumer.list_topics(name, timeout=10).topics[name]
-            parts += [TopicPartition(name, p) for p in meta.partitions]
-        if any(tp.offset >= 0 for tp in consumer.committed(parts, timeout=10)):
+        parts = never_committed(consumer, topic_names)
+        if parts is None:
             return False
         ends = [TopicPartition(tp.topic, tp.partition, consumer.get_watermark_offsets(tp, timeout=10)[1])
                 for tp in parts]
@@ -97,11 +105,8 @@ def seed_control_intakes(kafka: KafkaSettings, app_id: str, intakes: Iterable[Co
     consumer = Consumer(kafka.as_confluent(**{"group.id": app_id, "enable.auto.commit": False,
                                               "enable.partition.eof": False}))
     try:
-        parts = []
-        for name in sources:
-            meta = consumer.list_topics(name, timeout=10).topics[name]
-            parts += [TopicPartition(name, p) for p in meta.partitions]
-        if any(tp.offset >= 0 for tp in consumer.committed(parts, timeout=10)):
+        parts = never_committed(consumer, sources)
+        if parts is None:
             return None
         history, ends = read_history(consumer, parts)
         producer = Producer(kafka.as_confluent(**{"acks": "all", "enable.idempotence": True}))
