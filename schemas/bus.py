@@ -58,8 +58,11 @@ class EventProducer:
         self.send_raw(topic, data, key, on_delivery)
 
     def send_raw(self, topic: str, data: bytes | None, key: str | bytes | None = None,
-                 on_delivery: Callable[[KafkaError | None, Message], None] | None = None) -> None:
-        """Queues bytes as they are (for the dead-letter topic and for tests of bad input)."""
+                 on_delivery: Callable[[KafkaError | None, Message], None] | None = None, *,
+                 partition: int | None = None) -> None:
+        """Queues bytes as they are (for the dead-letter topic, forwarded events and tests of bad
+        input), into `partition` when given, else where the key's hash puts them."""
+        where = {} if partition is None else {"partition": partition}
 
         def delivered(err: KafkaError | None, msg: Message) -> None:
             if err is not None:
@@ -69,7 +72,7 @@ class EventProducer:
 
         while True:
             try:
-                self._producer.produce(topic, value=data, key=_key_bytes(key), on_delivery=delivered)
+                self._producer.produce(topic, value=data, key=_key_bytes(key), on_delivery=delivered, **where)
                 break
             except BufferError:  # local queue full: serve delivery reports, then retry
                 self._producer.poll(0.1)

@@ -41,10 +41,11 @@ and aggregator about as soon as the requests and trajectories sent after it, not
 Control intakes (`Wiring.control_intake`) forward one event at a time and only what a receiver
 can use: weight versions of the runs served, heartbeats of engines that serve them and are not
 older than the liveness timeout, and of an engine's steady beats (every 2 s) only one per third of
-that timeout, or one that changes what routing reads (routing.is_news). Every receiver keeps the newest event per key (a run's highest
-version, an engine's latest heartbeat), so a brand-new app need not forward the whole history of
-`weights` and `engines` (each event into every partition): its worker is seeded with the newest
-event per key before it starts (streams/worker.py, seed_control_intakes).
+that timeout, or one that changes what routing reads (routing.is_news). Every receiver keeps the
+newest event per key (a run's highest version, an engine's latest heartbeat), so a brand-new app
+need not forward the whole history of `weights` and `engines` (each event into every partition):
+its worker is seeded with the newest event per key before it starts (streams/worker.py,
+seed_control_intakes).
 """
 
 from __future__ import annotations

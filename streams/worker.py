@@ -13,11 +13,12 @@ import time
 from collections.abc import Iterable
 
 import faust
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, Producer, TopicPartition
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 from faust.worker import Worker
 
 from schemas import topics
+from schemas.bus import EventProducer
 from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.app import COMPONENTS, ControlIntake, WorkerSettings, create_wiring
 from streams.settings import StreamsSettings
@@ -102,32 +103,20 @@ def seed_control_intakes(kafka: KafkaSettings, app_id: str, intakes: Iterable[Co
     sources = sorted({intake.source for intake in intakes})
     if not sources:
         return None
-    consumer = Consumer(kafka.as_confluent(**{"group.id": app_id, "enable.auto.commit": False,
-                                              "enable.partition.eof": False}))
+    consumer = Consumer(kafka.as_confluent(**{"group.id": app_id, "enable.auto.commit": False}))
     try:
         parts = never_committed(consumer, sources)
         if parts is None:
             return None
         history, ends = read_history(consumer, parts)
-        producer = Producer(kafka.as_confluent(**{"acks": "all", "enable.idempotence": True}))
-        failures: list[str] = []
-
-        def delivered(error: KafkaError | None, msg: object) -> None:
-            if error is not None:
-                failures.append(str(error))
-
         sent: dict[str, int] = {}
-        for intake in intakes:
-            newest = intake.newest(history[intake.source])
-            for key, value in newest.items():
-                for partition in range(intake.partitions):
-                    producer.produce(intake.target, key=key.encode(), value=value, partition=partition,
-                                     on_delivery=delivered)
-                    producer.poll(0)
-            sent[intake.name] = len(newest) * intake.partitions
-        if producer.flush(30) or failures:
-            raise RuntimeError(f"seeding the control intakes of {app_id}: "
-                               f"{failures[0] if failures else 'events not acknowledged within 30 s'}")
+        with EventProducer(kafka, client_id=f"{app_id}-seed") as producer:  # raises unless all are acknowledged
+            for intake in intakes:
+                newest = intake.newest(history[intake.source])
+                for key, value in newest.items():
+                    for partition in range(intake.partitions):
+                        producer.send_raw(intake.target, value, key, partition=partition)
+                sent[intake.name] = len(newest) * intake.partitions
         consumer.commit(offsets=ends, asynchronous=False)
         return sent
     finally:
