@@ -18,6 +18,7 @@ from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 
 from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
 from schemas import objectstore, topics
+from schemas.bus import topic_partitions
 
 TOPICS_FILE = REPO_ROOT / "infra" / "topics.yaml"
 
@@ -80,6 +81,8 @@ def create_topics(admin: AdminClient, spec: InfraSpec) -> tuple[list[str], list[
             except Exception as e:
                 if "TOPIC_ALREADY_EXISTS" not in str(e):
                     raise
+        # the next command (a worker subscribing, a test producing) must find them in the metadata
+        topic_partitions(admin, created)
     mismatched = [f"{t.name}: {len(existing[t.name].partitions)} partitions, defined {t.partitions}"
                   for t in spec.topics if t.name in existing and len(existing[t.name].partitions) != t.partitions]
     return created, mismatched

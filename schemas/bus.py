@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
+from confluent_kafka.admin import AdminClient
 
 from schemas import topics
 from schemas.codec import InvalidEvent, UndecodableEvent, codec
@@ -30,6 +31,21 @@ def now_ms() -> int:
 
 def _key_bytes(key: str | bytes | None) -> bytes | None:
     return key.encode() if isinstance(key, str) else key
+
+
+def topic_partitions(admin: AdminClient, names: Iterable[str], wait_s: float = 10.0) -> dict[str, int]:
+    """{name: partition count} of the named topics, 0 for one that does not exist. A topic created
+    a moment ago may not be in the answering broker's metadata yet (KRaft spreads it after the
+    create call returns: seen in CI as "do not exist" right after create_topics), so a missing one
+    is asked for again until wait_s has passed."""
+    names = list(names)
+    deadline = time.monotonic() + wait_s
+    while True:
+        existing = admin.list_topics(timeout=10).topics
+        counts = {name: len(existing[name].partitions) if name in existing else 0 for name in names}
+        if all(counts.values()) or time.monotonic() >= deadline:
+            return counts
+        time.sleep(0.2)
 
 
 class EventProducer:

@@ -18,7 +18,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from faust.worker import Worker
 
 from schemas import topics
-from schemas.bus import EventProducer
+from schemas.bus import EventProducer, topic_partitions
 from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.app import COMPONENTS, ControlIntake, WorkerSettings, create_wiring
 from streams.settings import StreamsSettings
@@ -148,12 +148,11 @@ BY_GROUP: tuple[str, ...] = (topics.TASKS_REQUESTED, topics.STEPS, topics.TRAJEC
 """The DESIGN topics keyed by group_id that the jobs' tables are partitioned like."""
 
 
-def group_partitions(kafka: KafkaSettings, topic_names: Iterable[str] = BY_GROUP) -> int:
+def group_partitions(kafka: KafkaSettings, topic_names: Iterable[str] = BY_GROUP, wait_s: float = 10.0) -> int:
     """The partition count of the DESIGN topics the jobs read by group_id (the same for all of
-    them, or PartitionsMismatch: a table and its changelog must be partitioned like its source)."""
-    admin = AdminClient(kafka.as_confluent())
-    existing = admin.list_topics(timeout=10).topics
-    counts = {name: len(existing[name].partitions) if name in existing else 0 for name in topic_names}
+    them, or PartitionsMismatch: a table and its changelog must be partitioned like its source).
+    wait_s: how long a topic may take to appear (one created a moment ago)."""
+    counts = topic_partitions(AdminClient(kafka.as_confluent()), topic_names, wait_s)
     missing = sorted(name for name, n in counts.items() if n == 0)
     if missing:
         raise PartitionsMismatch(f"topics {', '.join(missing)} do not exist: create them first "
@@ -185,6 +184,7 @@ def declare_internal_topics(kafka: KafkaSettings, app: faust.App) -> list[str]:
         except Exception as error:  # another worker of the app created it first
             if "TOPIC_ALREADY_EXISTS" not in str(error):
                 raise
+    topic_partitions(admin, created)  # visible to the consumer about to subscribe
     return created
 
 

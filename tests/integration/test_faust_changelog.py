@@ -15,6 +15,8 @@ import pytest
 from confluent_kafka import Consumer, Producer, TopicPartition
 from confluent_kafka.admin import AdminClient, NewTopic
 
+from schemas.bus import topic_partitions
+
 pytestmark = pytest.mark.integration
 
 APP = Path(__file__).with_name("faust_counter_app.py")
@@ -43,6 +45,7 @@ def test_table_state_is_recovered_from_its_changelog_after_the_worker_is_killed(
     admin = AdminClient(infra.kafka.as_confluent())
     for fut in admin.create_topics([NewTopic(source, 1, 1), NewTopic(sink, 1, 1)]).values():
         fut.result()
+    assert all(topic_partitions(admin, [source, sink]).values())  # in the metadata the worker subscribes by
     producer = Producer(infra.kafka.as_confluent())
     consumer = Consumer(infra.kafka.as_confluent(**{"group.id": f"reader-{run}", "auto.offset.reset": "earliest"}))
     consumer.assign([TopicPartition(sink, 0, 0)])

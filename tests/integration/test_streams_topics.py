@@ -52,7 +52,7 @@ def test_the_jobs_take_their_partitions_from_the_topics_keyed_by_group_and_refus
     with pytest.raises(PartitionsMismatch, match=r"uneven-.*-a \(3 partitions\), uneven-.*-b \(2 partitions\)"):
         group_partitions(infra.kafka, list(uneven))
     with pytest.raises(PartitionsMismatch, match=f"missing-{tag} do not exist"):
-        group_partitions(infra.kafka, [*BY_GROUP, f"missing-{tag}"])
+        group_partitions(infra.kafka, [*BY_GROUP, f"missing-{tag}"], wait_s=1)
 
 
 def _control_events(kafka, topic: str) -> list[tuple[int, bytes, dict]]:
