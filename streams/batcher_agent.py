@@ -14,9 +14,19 @@ v (recorded in the batch), and batch k+1 may be cut once a version newer than v 
 The first batch needs no credit (it answers the learner's version at that time, 0 before any).
 
 Tables (one partition):
-- `batcher-state` run -> {"learner_version", "answered", "index", "ready": [group summaries]};
+- `batcher-state` run -> {"learner_version", "answered", "index", "available" (trainable
+  trajectories ready), "next_seq", "store_failures", "retry_at_ms"};
+- `batcher-queue` group_id -> {"run", "seq" (arrival order in its run), and what plan_batch needs
+  of the group}, until it is batched;
 - `batcher-ready` group_id -> the group event as received (raw bytes), until it is batched;
-- `batcher-batched` group_id -> batch id: a redelivered group that was already trained is dropped.
+- `batcher-batched` group_id -> {"batch_id", "at_ms"}: a redelivered group that was already
+  trained is dropped. Entries go after closed_retention_s (at the cuts), the horizon over which the
+  aggregator drops duplicates too; kept forever they grew with every group a run ever trained.
+A group's arrival writes its own small entries and the run's fixed-size state, never a list of
+every ready group: a first batch at the paper's size waits for 436 groups, and rewriting all their
+summaries with each one wrote 42 MB to the state's changelog before that batch was cut (measured;
+0.2 MB to state and queue together now). The queue is gathered, once per cut, only when the run's
+count says a batch is due.
 
 Claim check: a batch whose encoding exceeds the message limit (256 groups of 8k-token trajectories
 are ~150 MB) is stored whole in the object store under its run, and the `batches` event carries
@@ -40,7 +50,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterator, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import objectstore, topics
@@ -90,7 +100,11 @@ class BatcherTables:
 
     state: MutableMapping[str, dict[str, Any]]
     ready: MutableMapping[str, bytes]
-    batched: MutableMapping[str, str]
+    batched: MutableMapping[str, dict[str, Any]]
+    queue: MutableMapping[str, dict[str, Any]] = field(default_factory=dict)
+
+    def all(self) -> tuple[MutableMapping[str, Any], ...]:
+        return self.state, self.ready, self.batched, self.queue
 
 
 _DELETED = object()
@@ -135,12 +149,39 @@ class Staged(MutableMapping):
 
 
 def staged(tables: BatcherTables) -> BatcherTables:
-    return BatcherTables(Staged(tables.state), Staged(tables.ready), Staged(tables.batched))
+    return BatcherTables(*(Staged(table) for table in tables.all()))
+
+
+def apply(view: BatcherTables) -> None:
+    """Makes the writes staged in a view of the tables (after its batch is stored and sent)."""
+    for table in view.all():
+        table.apply()
 
 
 def empty_state() -> dict[str, Any]:
-    return {"learner_version": None, "answered": None, "index": 0, "ready": [], "store_failures": 0,
-            "retry_at_ms": None}
+    return {"learner_version": None, "answered": None, "index": 0, "available": 0, "next_seq": 0,
+            "store_failures": 0, "retry_at_ms": None}
+
+
+def run_state(tables: BatcherTables, run: str) -> dict[str, Any]:
+    """The run's state. One written before the queue table, with its list of ready summaries in
+    it, has that list moved into the queue (in its order) so a worker upgraded mid-run loses no
+    ready group."""
+    state = tables.state.get(run)
+    if state is None:
+        return empty_state()
+    if "ready" not in state:
+        return state
+    legacy = {key: value for key, value in state.items() if key != "ready"}
+    for seq, entry in enumerate(state["ready"]):
+        tables.queue[entry["group_id"]] = {**entry, "run": run, "seq": seq}
+    return {**empty_state(), **legacy, "available": sum(len(batching.trainable_members(g)) for g in state["ready"]),
+            "next_seq": len(state["ready"])}
+
+
+def queued(tables: BatcherTables, run: str) -> list[dict[str, Any]]:
+    """The run's ready groups as plan_batch takes them, in arrival order."""
+    return sorted((entry for entry in tables.queue.values() if entry["run"] == run), key=lambda entry: entry["seq"])
 
 
 def store_retry_at(failures: int, now_ms: int, worker: WorkerSettings) -> int:
@@ -171,10 +212,23 @@ def credit(state: dict[str, Any]) -> int | None:
     return version if version is not None and version > state["answered"] else None
 
 
+def forget_old_batched(batched: MutableMapping[str, Any], now_ms: int, settings: StreamsSettings) -> None:
+    """Deletes the batched records older than closed_retention_s. One from before records had a
+    time (a bare batch id) is dated now, so it goes one retention later."""
+    horizon_ms = settings.closed_retention_s * 1000
+    for gid, record in list(batched.items()):
+        if not isinstance(record, dict):
+            batched[gid] = {"batch_id": record, "at_ms": now_ms}
+        elif now_ms - record["at_ms"] >= horizon_ms:
+            del batched[gid]
+
+
 def _try_cut(tables: BatcherTables, run: str, state: dict[str, Any], now_ms: int, settings: StreamsSettings,
              claim: ClaimCheck | None) -> tuple[dict[str, Any], list[Out], list[Upload]]:
     version = credit(state)
-    plan = batching.plan_batch(state["ready"], version, state["index"], settings)
+    if batching.wait_reason(state["available"], version, state["index"], settings) is not None:
+        return state, [], []
+    plan = batching.plan_batch(queued(tables, run), version, state["index"], settings)
     if not plan.cut:
         return state, [], []
     groups = [codec().decode(tables.ready[g["group_id"]], GROUP) for g in plan.groups]
@@ -182,10 +236,12 @@ def _try_cut(tables: BatcherTables, run: str, state: dict[str, Any], now_ms: int
     # encoded before the tables change: a batch that fails to encode changes nothing
     out, uploads = batch_out(batch, claim)
     for g in plan.groups:
-        tables.batched[g["group_id"]] = batch["batch_id"]
+        tables.batched[g["group_id"]] = {"batch_id": batch["batch_id"], "at_ms": now_ms}
         del tables.ready[g["group_id"]]
-    state = {**state, "ready": plan.remaining, "index": state["index"] + 1, "answered": version,
-             "store_failures": 0, "retry_at_ms": None}
+        del tables.queue[g["group_id"]]
+    state = {**state, "available": state["available"] - plan.trajectories, "index": state["index"] + 1,
+             "answered": version, "store_failures": 0, "retry_at_ms": None}
+    forget_old_batched(tables.batched, now_ms, settings)
     return state, [out], uploads
 
 
@@ -195,17 +251,19 @@ def _absorb(tables: BatcherTables, data: bytes) -> str | None:
     if codec().event_type_of(data) == WEIGHTS:
         version = codec().decode(data, WEIGHTS)
         run = version["run"]
-        state = tables.state.get(run) or empty_state()
+        state = run_state(tables, run)
         if state["learner_version"] is None or version["version"] > state["learner_version"]:
             state = {**state, "learner_version": version["version"]}
     else:
         group = codec().decode(data, GROUP)
         run, gid = group["run"], group["group_id"]
-        state = tables.state.get(run) or empty_state()
-        if gid in tables.batched or any(g["group_id"] == gid for g in state["ready"]):
+        state = run_state(tables, run)
+        if gid in tables.batched or gid in tables.ready:
             return None  # a redelivered group: already ready or trained
         tables.ready[gid] = data
-        state = {**state, "ready": [*state["ready"], summary(group)]}
+        tables.queue[gid] = {**summary(group), "run": run, "seq": state["next_seq"]}
+        state = {**state, "next_seq": state["next_seq"] + 1,
+                 "available": state["available"] + len(batching.trainable_members(group))}
     tables.state[run] = state
     return run
 
@@ -224,7 +282,7 @@ def on_batcher_event(tables: BatcherTables, data: bytes, now_ms: int, settings: 
     run = failed_store_due(tables, now_ms) if data == TICK else _absorb(tables, data)
     if run is None or not store_due(tables.state[run], now_ms):
         return [], []
-    state, outs, uploads = _try_cut(tables, run, tables.state[run], now_ms, settings, claim)
+    state, outs, uploads = _try_cut(tables, run, run_state(tables, run), now_ms, settings, claim)
     tables.state[run] = state
     return outs, uploads
 
@@ -257,6 +315,7 @@ def register(w: Wiring) -> None:
         state=tagged_table(w.app, "batcher-state", 1, w.topic_config),
         ready=raw_table(w.app, "batcher-ready", 1, w.topic_config),
         batched=tagged_table(w.app, "batcher-batched", 1, w.topic_config),
+        queue=tagged_table(w.app, "batcher-queue", 1, w.topic_config),
     )
     w.tables["batcher"] = tables
     claim = ClaimCheck(topics.PAYLOADS_BUCKET, w.batch_limit_bytes)
@@ -317,6 +376,5 @@ def register(w: Wiring) -> None:
                               "its groups stay ready and are cut and stored again in %s s", labels["batch_id"],
                               labels["index"], labels["consecutive_failures"], reason, labels["retry_in_s"])
                 await w.send(outs)
-                for table in (view.state, view.ready, view.batched):
-                    table.apply()
+                apply(view)
             await w.guarded(event, "batcher", handle)

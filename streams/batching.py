@@ -49,6 +49,18 @@ def required_trajectories(batch_index: int, settings: StreamsSettings) -> int:
     return settings.first_batch_trajectories if batch_index == 0 else settings.min_trajectories
 
 
+def wait_reason(available: int, credit_version: int | None, batch_index: int, settings: StreamsSettings) -> str | None:
+    """Why batch `batch_index` is not cut yet with `available` trainable trajectories ready, or
+    None when it is cut now. Cheap, so a caller that keeps the count can ask before gathering
+    the ready groups."""
+    if credit_version is None:
+        return "no credit"
+    required = required_trajectories(batch_index, settings)
+    if available < required:
+        return f"waiting: {available} of {required} trajectories ready"
+    return None
+
+
 def plan_batch(ready: Sequence[dict[str, Any]], credit_version: int | None, batch_index: int,
                settings: StreamsSettings) -> BatchPlan:
     """Decides whether to cut batch `batch_index` from the ready groups (arrival order).
@@ -59,11 +71,9 @@ def plan_batch(ready: Sequence[dict[str, Any]], credit_version: int | None, batc
     if any(g["validation"] for g in ready):
         raise ValueError("validation groups are never batched; do not offer them to the batcher")
     available = sum(len(trainable_members(g)) for g in ready)
-    if credit_version is None:
-        return BatchPlan(False, "no credit", [], list(ready), 0)
-    required = required_trajectories(batch_index, settings)
-    if available < required:
-        return BatchPlan(False, f"waiting: {available} of {required} trajectories ready", [], list(ready), 0)
+    reason = wait_reason(available, credit_version, batch_index, settings)
+    if reason is not None:
+        return BatchPlan(False, reason, [], list(ready), 0)
     multiple = settings.trajectory_multiple
     target = available // multiple * multiple
     taken: list[dict[str, Any]] = []
@@ -77,9 +87,6 @@ def plan_batch(ready: Sequence[dict[str, Any]], credit_version: int | None, batc
         else:
             left.append(g)
     return BatchPlan(True, "cut", taken, left, count)
-
-
-
 
 
 def action_tokens(trajectory: Mapping[str, Any]) -> int:

@@ -141,7 +141,8 @@ def test_first_batch_needs_no_credit_and_the_next_waits_for_a_newer_version():
     assert _batcher(tables, codec().encode("weight_version", weights("r", 0))) == []
     [(_, second)] = _decode_outs(_batcher(tables, codec().encode("weight_version", weights("r", 1))))
     assert (second["index"], second["credit_version"], second["group_ids"]) == (1, 1, ["g1"])
-    assert tables.ready == {} and tables.batched == {"g0": first["batch_id"], "g1": second["batch_id"]}
+    assert tables.ready == {} and tables.batched == {"g0": {"batch_id": first["batch_id"], "at_ms": T0},
+                                                     "g1": {"batch_id": second["batch_id"], "at_ms": T0}}
 
 
 def test_redelivered_group_is_batched_once():
@@ -149,7 +150,67 @@ def test_redelivered_group_is_batched_once():
     _batcher(tables, _group("g0"))
     _batcher(tables, codec().encode("weight_version", weights("r", 1)))
     assert _batcher(tables, _group("g0")) == []
-    assert tables.state["r"]["ready"] == []
+    assert (tables.state["r"]["available"], tables.queue, tables.ready) == (0, {}, {})
+
+
+def test_a_batched_group_is_remembered_for_the_closed_retention_then_forgotten_at_a_cut():
+    hour_ms = int(S.closed_retention_s * 1000)
+    tables = bat.BatcherTables({}, {}, {})
+    bat.on_batcher_event(tables, _group("g0"), T0, S)
+    bat.on_batcher_event(tables, codec().encode("weight_version", weights("r", 1)), T0, S)
+    assert bat.on_batcher_event(tables, _group("g0"), T0 + hour_ms - 1, S) == ([], [])  # a redelivery: dropped
+    [(_, batch)] = _decode_outs(bat.on_batcher_event(tables, _group("g1"), T0 + hour_ms, S)[0])
+    assert batch["group_ids"] == ["g1"] and list(tables.batched) == ["g1"]
+
+
+def test_a_batched_record_without_a_time_is_dated_at_the_next_cut_and_kept_one_retention():
+    batched = {"old": "batch-a", "new": {"batch_id": "batch-b", "at_ms": T0}}
+    bat.forget_old_batched(batched, T0 + 1, S)
+    assert batched == {"old": {"batch_id": "batch-a", "at_ms": T0 + 1}, "new": {"batch_id": "batch-b", "at_ms": T0}}
+    bat.forget_old_batched(batched, T0 + int(S.closed_retention_s * 1000), S)
+    assert list(batched) == ["old"]
+
+
+def test_groups_are_batched_in_arrival_order_not_by_id():
+    tables = bat.BatcherTables({}, {}, {})
+    _batcher(tables, _group("g0"))
+    for gid in ("g9", "g1", "g5"):
+        assert _batcher(tables, _group(gid)) == []  # no credit after the first batch
+    [(_, batch)] = _decode_outs(_batcher(tables, codec().encode("weight_version", weights("r", 1))))
+    assert batch["group_ids"] == ["g9", "g1", "g5"]
+
+
+class _ChangelogBytes(dict):
+    """A table that keeps the size of every value written, encoded as its changelog carries it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __setitem__(self, key, value) -> None:
+        self.sizes.append(len(TaggedJSON()._dumps(value)))
+        super().__setitem__(key, value)
+
+
+def test_a_waiting_group_rewrites_a_fixed_size_run_state_however_many_groups_are_ready():
+    tables = bat.BatcherTables(_ChangelogBytes(), {}, {})
+    waiting = StreamsSettings(group_size=N, batch_size=1000, min_members=2)
+    for g in range(200):
+        bat.on_batcher_event(tables, _group(f"g{g}"), T0, waiting)
+    assert len(tables.ready) == len(tables.queue) == 200 and tables.state["r"]["available"] == 200 * N
+    assert max(tables.state.sizes) - min(tables.state.sizes) <= 4  # the digits of two counters
+
+
+def test_a_run_state_holding_its_ready_list_from_before_the_queue_table_loses_no_group():
+    tables = bat.BatcherTables({}, {}, {})
+    g1, g2 = _group("g2"), _group("g1")
+    tables.ready.update({"g2": g1, "g1": g2})
+    tables.state["r"] = {"learner_version": 0, "answered": 0, "index": 1, "store_failures": 0, "retry_at_ms": None,
+                         "ready": [bat.summary(codec().decode(data, "group")) for data in (g1, g2)]}
+    assert _batcher(tables, _group("g3")) == []  # no credit: it waits behind the two
+    [(_, batch)] = _decode_outs(_batcher(tables, codec().encode("weight_version", weights("r", 1))))
+    assert (batch["index"], batch["group_ids"]) == (1, ["g2", "g1", "g3"])
+    assert "ready" not in tables.state["r"] and tables.ready == tables.queue == {}
 
 
 def test_a_cut_changes_the_tables_only_once_applied():
@@ -159,11 +220,10 @@ def test_a_cut_changes_the_tables_only_once_applied():
     view = bat.staged(tables)
     outs, _ = bat.on_batcher_event(view, _group("g0"), T0, S)
     # until applied (after the batch is sent) the tables are untouched: a failed send loses nothing
-    assert len(outs) == 1 and (tables.state, tables.ready, tables.batched) == ({}, {}, {})
-    assert dict(view.batched) == direct.batched and dict(view.ready) == {}
-    for table in (view.state, view.ready, view.batched):
-        table.apply()
-    assert (tables.state, tables.ready, tables.batched) == (direct.state, direct.ready, direct.batched)
+    assert len(outs) == 1 and tables.all() == ({}, {}, {}, {})
+    assert dict(view.batched) == direct.batched and dict(view.ready) == {} and dict(view.queue) == {}
+    bat.apply(view)
+    assert tables.all() == direct.all()
 
 
 def test_batch_above_the_limit_becomes_a_claim_check_that_resolves_to_the_inline_batch():
@@ -190,14 +250,13 @@ def test_failed_store_backoff_doubles_per_failure_up_to_its_cap():
     assert bat.store_due({"retry_at_ms": T0 + 5000}, T0 + 4999) is False
     assert bat.store_due({"retry_at_ms": T0 + 5000}, T0 + 5000) is True
     assert bat.store_due(bat.empty_state(), T0) is True
-    assert bat.store_due({"learner_version": None, "answered": None, "index": 0, "ready": []}, T0) is True
+    assert bat.store_due({"learner_version": None, "answered": None, "index": 0, "ready": []}, T0) is True  # legacy
 
 
 def _fail_store(tables, data, pointer, now_ms, reason="MaxRetryError: connection refused"):
     view = bat.staged(tables)
     outs = bat.on_store_failure(view, data, pointer, now_ms, WorkerSettings(), reason)
-    for table in (view.state, view.ready, view.batched):
-        table.apply()
+    bat.apply(view)
     return outs
 
 
@@ -224,10 +283,9 @@ def test_batch_whose_store_failed_keeps_its_groups_ready_and_is_cut_again_after_
     again = codec().decode(retried[2], "batch")
     assert (again["batch_id"], again["index"], again["group_ids"]) == (failed_batch["batch_id"], 0, ["g0"])
     assert key == bat.payload_key("r", again["batch_id"])
-    for table in (view.state, view.ready, view.batched):
-        table.apply()
+    bat.apply(view)
     assert (tables.state["r"]["store_failures"], tables.state["r"]["retry_at_ms"]) == (0, None)
-    assert tables.batched == {"g0": again["batch_id"]} and bat.on_batcher_event(tables, bat.TICK, T0 + 9999, S,
+    assert tables.batched == {"g0": {"batch_id": again["batch_id"], "at_ms": T0 + 5000}} and bat.on_batcher_event(tables, bat.TICK, T0 + 9999, S,
                                                                                  claim) == ([], [])
 
 
@@ -395,7 +453,7 @@ def test_commit_flush_waits_past_fausts_give_up_for_every_buffered_write():
 
 def test_the_router_control_topic_refuses_what_is_not_a_heartbeat_or_weight_version():
     with pytest.raises(ValueError, match="not task_requested"):
-        rt.on_control({}, codec().encode("task_requested", samples.task_requested(0)), 0)
+        rt.on_control({}, codec().encode("task_requested", samples.task_requested(0)), 0, S)
 
 
 def test_newest_by_key_keeps_the_highest_order_of_each_key_and_the_later_of_equals():
