@@ -20,6 +20,8 @@ from streams.serde import decode_from, encode_for, tagged_table
 from streams.settings import StreamsSettings
 
 REQUEST, HEARTBEAT, WEIGHTS = "task_requested", "engine_heartbeat", "weight_version"
+FORGET_AFTER_LIVENESS = 10
+"""An engine silent for this many liveness timeouts leaves the registry (it was dead long before)."""
 
 
 def partition_key(partition: int) -> str:
@@ -36,18 +38,19 @@ def on_router_event(state_table: MutableMapping[str, Any], data: bytes, partitio
     kind = codec().event_type_of(data)
     if kind == REQUEST:
         return on_request(state_table, codec().decode(data, REQUEST), partition, now_ms, settings)
-    on_control(state_table, data, partition)
+    on_control(state_table, data, partition, settings)
     return []
 
 
-def on_control(state_table: MutableMapping[str, Any], data: bytes, partition: int) -> None:
+def on_control(state_table: MutableMapping[str, Any], data: bytes, partition: int, settings: StreamsSettings) -> None:
     """Folds an engine heartbeat or a weight version into this partition's state."""
     kind = codec().event_type_of(data)
     key = partition_key(partition)
     state = state_table.get(key) or empty_state()
     if kind == HEARTBEAT:
-        state_table[key] = {**state, "registry": routing.fold_heartbeat(state["registry"],
-                                                                        codec().decode(data, HEARTBEAT))}
+        forget_after_ms = int(FORGET_AFTER_LIVENESS * settings.engine_liveness_s * 1000)
+        registry = routing.fold_heartbeat(state["registry"], codec().decode(data, HEARTBEAT), forget_after_ms)
+        state_table[key] = {**state, "registry": registry}
     elif kind == WEIGHTS:
         w = codec().decode(data, WEIGHTS)
         if w["version"] > state["versions"].get(w["run"], 0):
@@ -86,7 +89,9 @@ def register(w: Wiring) -> None:
         # refreshed at a third of the liveness timeout: the router's copy is never near expiry
         if not routing.is_news(forwarded.get(hb["engine_id"]), hb, liveness_ms // 3):
             return None
-        forwarded[hb["engine_id"]] = hb
+        kept = routing.fold_heartbeat(forwarded, hb, FORGET_AFTER_LIVENESS * liveness_ms)  # the same forgetting
+        forwarded.clear()
+        forwarded.update(kept)
         return hb["engine_id"], hb["sent_at_ms"]
 
     w.control_intake(topics.ENGINES, "router-engines-intake", control, parts, live_heartbeat)
@@ -98,7 +103,7 @@ def register(w: Wiring) -> None:
             async def route(event=event) -> None:
                 msg = event.message
                 if msg.topic != topics.TASKS_REQUESTED:
-                    on_control(table, event.value, msg.partition)
+                    on_control(table, event.value, msg.partition, w.settings)
                     return
                 request = decode_from(topics.TASKS_REQUESTED, event.value)
                 if w.serves(request):

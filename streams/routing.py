@@ -127,13 +127,20 @@ def task_event(request: dict[str, Any], plan: RoutingPlan, routed_at_ms: int) ->
 
 # -- engine registry ------------------------------------------------------------------------
 
-def fold_heartbeat(registry: Mapping[str, dict[str, Any]], heartbeat: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def fold_heartbeat(registry: Mapping[str, dict[str, Any]], heartbeat: dict[str, Any],
+                   forget_after_ms: int | None = None) -> dict[str, dict[str, Any]]:
     """Returns the registry with this heartbeat applied; an older heartbeat than the one held for
-    the engine (out-of-order delivery, replay) is ignored, so folding is order-insensitive."""
+    the engine (out-of-order delivery, replay) is ignored, so folding is order-insensitive.
+
+    forget_after_ms: engines whose last heartbeat is that much older than this one leave the
+    registry (an engine replaced by a restart under a new id never beats again, and the registry
+    is rewritten whole with every heartbeat); one that comes back is added again by its next."""
     held = registry.get(heartbeat["engine_id"])
     if held is not None and held["sent_at_ms"] > heartbeat["sent_at_ms"]:
         return dict(registry)
-    return {**registry, heartbeat["engine_id"]: dict(heartbeat)}
+    kept = registry if forget_after_ms is None else {
+        engine: hb for engine, hb in registry.items() if heartbeat["sent_at_ms"] - hb["sent_at_ms"] <= forget_after_ms}
+    return {**kept, heartbeat["engine_id"]: dict(heartbeat)}
 
 
 ROUTED_FIELDS = ("pool", "healthy", "loaded_version", "run")

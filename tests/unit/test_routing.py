@@ -102,6 +102,17 @@ def test_registry_keeps_newest_heartbeat_per_engine_regardless_of_order():
     assert fold_heartbeat(fold_heartbeat({}, old), new)["s0"]["loaded_version"] == 25
 
 
+def test_an_engine_silent_longer_than_the_forget_horizon_leaves_the_registry_and_returns_with_its_next_beat():
+    registry = fold_heartbeat({}, heartbeat("gone", "stale", 3, sent=1_000), forget_after_ms=10_000)
+    registry = fold_heartbeat(registry, heartbeat("s0", "stale", 4, sent=11_000), forget_after_ms=10_000)
+    assert sorted(registry) == ["gone", "s0"]  # exactly the horizon: kept
+    registry = fold_heartbeat(registry, heartbeat("s0", "stale", 4, sent=11_001), forget_after_ms=10_000)
+    assert sorted(registry) == ["s0"]
+    registry = fold_heartbeat(registry, heartbeat("gone", "stale", 5, sent=11_002), forget_after_ms=10_000)
+    assert sorted(registry) == ["gone", "s0"] and registry["gone"]["loaded_version"] == 5
+    assert sorted(fold_heartbeat(registry, heartbeat("s1", "stale", 5, sent=99_999))) == ["gone", "s0", "s1"]
+
+
 def test_pool_state_counts_only_live_healthy_engines_and_their_oldest_version():
     registry = {}
     for hb in (heartbeat("c0", "current", 30, sent=9_000), heartbeat("c1", "current", 29, sent=9_500),
