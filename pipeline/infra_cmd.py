@@ -18,7 +18,7 @@ from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 
 from pipeline.config import REPO_ROOT, RollstreamConfig, load_config
 from schemas import objectstore, topics
-from schemas.bus import topic_partitions
+from schemas.bus import create_missing_topics
 
 TOPICS_FILE = REPO_ROOT / "infra" / "topics.yaml"
 
@@ -70,19 +70,8 @@ def create_topics(admin: AdminClient, spec: InfraSpec) -> tuple[list[str], list[
     """Creates missing topics. Returns (created, mismatched): existing topics whose partition
     count differs are reported, never changed behind the operator's back."""
     existing = admin.list_topics(timeout=10).topics
-    missing = [t for t in spec.topics if t.name not in existing]
-    created: list[str] = []
-    if missing:
-        futures = admin.create_topics([NewTopic(t.name, t.partitions, t.replication_factor, config=t.config) for t in missing])
-        for name, fut in futures.items():
-            try:
-                fut.result()
-                created.append(name)
-            except Exception as e:
-                if "TOPIC_ALREADY_EXISTS" not in str(e):
-                    raise
-        # the next command (a worker subscribing, a test producing) must find them in the metadata
-        topic_partitions(admin, created)
+    created = create_missing_topics(admin, [NewTopic(t.name, t.partitions, t.replication_factor, config=t.config)
+                                            for t in spec.topics if t.name not in existing])
     mismatched = [f"{t.name}: {len(existing[t.name].partitions)} partitions, defined {t.partitions}"
                   for t in spec.topics if t.name in existing and len(existing[t.name].partitions) != t.partitions]
     return created, mismatched

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from confluent_kafka import Consumer, KafkaError, KafkaException, Message, Producer, TopicPartition
-from confluent_kafka.admin import AdminClient
+from confluent_kafka.admin import AdminClient, NewTopic
 
 from schemas import topics
 from schemas.codec import InvalidEvent, UndecodableEvent, codec
@@ -46,6 +46,25 @@ def topic_partitions(admin: AdminClient, names: Iterable[str], wait_s: float = 1
         if all(counts.values()) or time.monotonic() >= deadline:
             return counts
         time.sleep(0.2)
+
+
+def create_missing_topics(admin: AdminClient, new_topics: Iterable[NewTopic]) -> list[str]:
+    """Creates these topics, leaving any that another client created first as it is, and returns
+    the names created once they are in the metadata (topic_partitions), so that whoever subscribes
+    or produces next finds them."""
+    new_topics = list(new_topics)
+    if not new_topics:
+        return []
+    created = []
+    for name, future in admin.create_topics(new_topics).items():
+        try:
+            future.result()
+            created.append(name)
+        except Exception as error:  # noqa: BLE001 - only an existing topic is expected
+            if "TOPIC_ALREADY_EXISTS" not in str(error):
+                raise
+    topic_partitions(admin, created)
+    return created
 
 
 class EventProducer:

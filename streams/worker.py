@@ -18,7 +18,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from faust.worker import Worker
 
 from schemas import topics
-from schemas.bus import EventProducer, topic_partitions
+from schemas.bus import EventProducer, create_missing_topics, topic_partitions
 from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.app import COMPONENTS, ControlIntake, WorkerSettings, create_wiring
 from streams.settings import StreamsSettings
@@ -170,22 +170,11 @@ def declare_internal_topics(kafka: KafkaSettings, app: faust.App) -> list[str]:
     tasks never routed on a fresh broker. Returns the names created."""
     admin = AdminClient(kafka.as_confluent())
     existing = admin.list_topics(timeout=10).topics
-    wanted = {name: spec for name, spec in internal_topics(app).items() if name not in existing}
-    if not wanted:
-        return []
     replicas = app.conf.topic_replication_factor
-    futures = admin.create_topics([NewTopic(name, partitions, replicas, config=config)
-                                   for name, (partitions, config) in wanted.items()])
-    created = []
-    for name, future in futures.items():
-        try:
-            future.result()
-            created.append(name)
-        except Exception as error:  # another worker of the app created it first
-            if "TOPIC_ALREADY_EXISTS" not in str(error):
-                raise
-    topic_partitions(admin, created)  # visible to the consumer about to subscribe
-    return created
+    # another worker of the app may create them at the same time
+    return create_missing_topics(admin, [NewTopic(name, partitions, replicas, config=config)
+                                         for name, (partitions, config) in internal_topics(app).items()
+                                         if name not in existing])
 
 
 def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSettings,
