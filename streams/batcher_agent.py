@@ -280,9 +280,10 @@ def on_batcher_event(tables: BatcherTables, data: bytes, now_ms: int, settings: 
     failed store when due); returns the batch if one is cut (and, for a claim check, the object to
     store before sending it). A run waiting out a failed store's backoff cuts nothing."""
     run = failed_store_due(tables, now_ms) if data == TICK else _absorb(tables, data)
-    if run is None or not store_due(tables.state[run], now_ms):
+    state = None if run is None else run_state(tables, run)
+    if state is None or not store_due(state, now_ms):
         return [], []
-    state, outs, uploads = _try_cut(tables, run, run_state(tables, run), now_ms, settings, claim)
+    state, outs, uploads = _try_cut(tables, run, state, now_ms, settings, claim)
     tables.state[run] = state
     return outs, uploads
 

@@ -24,6 +24,11 @@ FORGET_AFTER_LIVENESS = 10
 """An engine silent for this many liveness timeouts leaves the registry (it was dead long before)."""
 
 
+def forget_after_ms(settings: StreamsSettings) -> int:
+    """How long an engine may be silent before the registry forgets it (routing.fold_heartbeat)."""
+    return int(FORGET_AFTER_LIVENESS * settings.engine_liveness_s * 1000)
+
+
 def partition_key(partition: int) -> str:
     return f"p{partition}"
 
@@ -48,8 +53,7 @@ def on_control(state_table: MutableMapping[str, Any], data: bytes, partition: in
     key = partition_key(partition)
     state = state_table.get(key) or empty_state()
     if kind == HEARTBEAT:
-        forget_after_ms = int(FORGET_AFTER_LIVENESS * settings.engine_liveness_s * 1000)
-        registry = routing.fold_heartbeat(state["registry"], codec().decode(data, HEARTBEAT), forget_after_ms)
+        registry = routing.fold_heartbeat(state["registry"], codec().decode(data, HEARTBEAT), forget_after_ms(settings))
         state_table[key] = {**state, "registry": registry}
     elif kind == WEIGHTS:
         w = codec().decode(data, WEIGHTS)
@@ -82,6 +86,7 @@ def register(w: Wiring) -> None:
     forwarded: dict[str, dict[str, Any]] = {}  # engine_id -> its last heartbeat forwarded (by this process)
 
     def live_heartbeat(hb: dict[str, Any]) -> tuple[str, int] | None:
+        nonlocal forwarded
         # Another run's engines hold other weights; a heartbeat older than the liveness timeout
         # never counts (routing.is_live), and most of a new app's history of `engines` is such.
         if not routing.serves_run(hb, w.worker.run) or w.clock() - hb["sent_at_ms"] > liveness_ms:
@@ -89,9 +94,7 @@ def register(w: Wiring) -> None:
         # refreshed at a third of the liveness timeout: the router's copy is never near expiry
         if not routing.is_news(forwarded.get(hb["engine_id"]), hb, liveness_ms // 3):
             return None
-        kept = routing.fold_heartbeat(forwarded, hb, FORGET_AFTER_LIVENESS * liveness_ms)  # the same forgetting
-        forwarded.clear()
-        forwarded.update(kept)
+        forwarded = routing.fold_heartbeat(forwarded, hb, forget_after_ms(w.settings))  # forgets as the registry does
         return hb["engine_id"], hb["sent_at_ms"]
 
     w.control_intake(topics.ENGINES, "router-engines-intake", control, parts, live_heartbeat)

@@ -285,8 +285,8 @@ def test_batch_whose_store_failed_keeps_its_groups_ready_and_is_cut_again_after_
     assert key == bat.payload_key("r", again["batch_id"])
     bat.apply(view)
     assert (tables.state["r"]["store_failures"], tables.state["r"]["retry_at_ms"]) == (0, None)
-    assert tables.batched == {"g0": {"batch_id": again["batch_id"], "at_ms": T0 + 5000}} and bat.on_batcher_event(tables, bat.TICK, T0 + 9999, S,
-                                                                                 claim) == ([], [])
+    assert tables.batched == {"g0": {"batch_id": again["batch_id"], "at_ms": T0 + 5000}}
+    assert bat.on_batcher_event(tables, bat.TICK, T0 + 9999, S, claim) == ([], [])
 
 
 def test_repeated_store_failures_back_off_longer_and_groups_arriving_meanwhile_wait():
