@@ -1,4 +1,4 @@
-"""The token-in, token-out agent loop (DESIGN.md "The method"). Pure bookkeeping: the engine, the
+"""The token-in, token-out agent loop (ARCHITECTURE.md "The method"). Pure bookkeeping: the engine, the
 environment, the engine picker, the clock and the sleep are passed in; no Kafka, no HTTP here.
 
 The token record (input_ids, loss_mask, rollout log-probs) is append-only:

@@ -1,6 +1,6 @@
 """Chat-template encoding for the token-in, token-out agent loop (the template fingerprint is schemas/template.py).
 
-DESIGN.md: the prompt is encoded once with the tokenizer's chat template and every environment
+ARCHITECTURE.md: the prompt is encoded once with the tokenizer's chat template and every environment
 message is appended as the *difference* of two encodings. That only works when the template has
 the prefix property: the encoding of a conversation starts with the encoding of any earlier
 point of it. `extension` checks the property every time and raises TemplatePrefixError when a

@@ -158,3 +158,8 @@ class EngineClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+
+
+def served_model(url: str) -> str:
+    """The model id an OpenAI-compatible server serves (its first /v1/models entry)."""
+    return httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"][0]["id"]

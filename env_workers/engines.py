@@ -1,7 +1,7 @@
 """Which engine takes a turn: pool selection from heartbeats (or static URLs), with fallback.
 
 `choose_engine` is the pure rule: the least-loaded usable engine of the planned pool, else of the
-current pool (DESIGN.md: "falling back to the current pool when the planned pool is
+current pool (ARCHITECTURE.md: "falling back to the current pool when the planned pool is
 unavailable"); alive = healthy with a fresh heartbeat (static engines have none to go stale);
 engines backing off after a failed request come last. Within a pool an engine that is not busy
 (a weight update or a group join holds an engine's new requests back) comes before one that is; a busy

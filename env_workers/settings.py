@@ -1,4 +1,4 @@
-"""Settings of the rollout side's agent loop (DESIGN.md "The method": token-in, token-out loop)."""
+"""Settings of the rollout side's agent loop (ARCHITECTURE.md "The method": token-in, token-out loop)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""The env worker (DESIGN.md "Processes"): a Kafka consumer in one consumer group on `tasks`
+"""The env worker (ARCHITECTURE.md "Processes"): a Kafka consumer in one consumer group on `tasks`
 that runs up to `max_concurrency` agent loops at once (asyncio), each against its own environment
 session, publishes every finished turn to `steps` and every trajectory to `trajectories` (key
 group_id, deterministic trajectory id), and commits a task's offset only when that task and all
 earlier ones in its partition have their trajectory acknowledged by the broker.
 
-Delivery (at-least-once, DESIGN.md "Delivery guarantees"):
+Delivery (at-least-once, ARCHITECTURE.md "Delivery guarantees"):
 - `Watermarks` is the commit rule: per partition, the committed offset only moves past a
   contiguous run of acknowledged tasks, so a crash at any moment re-delivers exactly the tasks
   whose trajectories may not be durable.

@@ -1,4 +1,4 @@
-"""Settings of the env-worker process (DESIGN.md "Processes": env worker)."""
+"""Settings of the env-worker process (ARCHITECTURE.md "Processes": env worker)."""
 
 from __future__ import annotations
 

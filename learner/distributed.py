@@ -1,6 +1,6 @@
 """More than one learner process (torchrun): the ranks split each batch and train with DDP or FSDP2.
 
-Launch: `torchrun --nproc_per_node 2 -m pipeline.learner_cmd --run-id RUN --model PATH`. Rank 0 alone
+Launch: `torchrun --nproc_per_node 2 -m pipeline.cli.learner --run-id RUN --model PATH`. Rank 0 alone
 talks to Kafka and MinIO (it consumes `batches`, publishes, checkpoints). It drives the other
 ranks with commands over the process group (`Leader`), which they carry out (`follow`): train
 a batch (learner/step.py's train_step, each rank its share), gather the full weights or the full

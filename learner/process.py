@@ -1,6 +1,6 @@
 """The learner loop: consume `batches`, train, publish each new version, checkpoint, resume.
 
-Per batch, in this order (DESIGN.md, "Delivery guarantees"):
+Per batch, in this order (ARCHITECTURE.md, "Delivery guarantees"):
 
     wait     poll `batches`; skip other runs' batches and batches already applied (by id); fetch a
              claim-checked batch whole from MinIO, and the items' token arrays from the

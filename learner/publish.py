@@ -1,6 +1,6 @@
 """Staging a policy version in the object store, its `weights` event, and retention pruning.
 
-Layout (DESIGN.md, "Two-speed weight sync"): a version lives under
+Layout (ARCHITECTURE.md, "Two-speed weight sync"): a version lives under
 `s3://rollstream-weights/<run>/v<version:06d>/` as safetensors shards plus `manifest.json`. The
 shards go up first and the manifest last, so a version whose manifest exists is complete; the
 `weights` event is sent only after the manifest is stored, so an engine that reads the event can

@@ -1,6 +1,6 @@
 """The deterministic ids of the event contract.
 
-Every consumer de-duplicates by these (DESIGN.md "Delivery guarantees"), so whoever computes one
+Every consumer de-duplicates by these (ARCHITECTURE.md "Delivery guarantees"), so whoever computes one
 must compute it exactly like this: they live here, beside the schemas, not in one producer.
 """
 

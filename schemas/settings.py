@@ -1,7 +1,7 @@
 """Connection settings for the event bus and the object store, shared by every component.
 
 Our names inside, each client's names only at the edge (`as_confluent`, `as_kafka_python`,
-`faust_broker`). Values come from pipeline/config.py, the only place that reads the environment.
+`faust_broker`). Values come from pipeline/run/config.py, the only place that reads the environment.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class KafkaSettings(BaseModel):
     message_max_bytes: int = 16 * 1024 * 1024
     """Largest event the producer sends; matches the topics' max.message.bytes."""
     compression: str = "zstd"
-    """Producer compression codec (DESIGN.md: topics use zstd)."""
+    """Producer compression codec (ARCHITECTURE.md: topics use zstd)."""
     extra: dict[str, Any] = Field(default_factory=dict)
     """Further librdkafka properties, passed through untouched to confluent-kafka clients."""
 

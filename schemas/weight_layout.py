@@ -1,6 +1,6 @@
 """The weight contract between the learner and the engines: manifest format and bucket layout.
 
-A policy version travels two ways (DESIGN.md, "Two-speed weight sync"):
+A policy version travels two ways (ARCHITECTURE.md, "Two-speed weight sync"):
 
 - **staged**: safetensors shards plus a JSON manifest (`WeightManifest`) in the object store;
 - **broadcast**: flat byte buckets over a collective group. Sender and receiver must cut the

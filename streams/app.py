@@ -2,7 +2,7 @@
 
 No App exists at import time: `create_app(kafka, settings, worker)` builds one from settings, and
 each agent module (router, aggregator, batcher, metrics) declares its topics, tables and agents
-on it through `Wiring`. Delivery rules (DESIGN.md "Delivery guarantees"): at-least-once, no
+on it through `Wiring`. Delivery rules (ARCHITECTURE.md "Delivery guarantees"): at-least-once, no
 exactly_once, every agent at concurrency 1; Faust flushes the producer before it commits source
 offsets, so whatever an agent sent for an event is durable before the event counts as consumed.
 
@@ -12,7 +12,7 @@ were never acknowledged, and a crashed worker's recovered table would lack write
 count as consumed. `drain_before_commit` makes that flush wait for every buffered write.
 
 Topology. The router and the aggregator read their DESIGN topic as it is: the topic is keyed by
-group_id (DESIGN.md "Topics"), so a group's events already meet in one partition, and the job's
+group_id (ARCHITECTURE.md "Topics"), so a group's events already meet in one partition, and the job's
 table is partitioned like the topic. The small control events they also need (heartbeats, weight
 versions, timer ticks) are broadcast into every partition of a control topic of the app,
 `<app>-<job>-in`, with as many partitions as the DESIGN topics; the agent reads both topics, and

@@ -1,6 +1,6 @@
 """Settings of the streams component: router, group aggregator and batcher.
 
-Defaults reproduce the AgentRL paper's 14B five-task configuration (DESIGN.md) where the paper
+Defaults reproduce the AgentRL paper's 14B five-task configuration (ARCHITECTURE.md) where the paper
 has a value; the rest are rollstream's own reliability knobs and say so. pipeline/ composes this
 model into the run configuration; nothing here reads the environment.
 """

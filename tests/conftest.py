@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.config import RollstreamConfig, load_config
+from pipeline.run.config import RollstreamConfig, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

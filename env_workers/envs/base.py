@@ -1,4 +1,4 @@
-"""The one environment API every task family implements (DESIGN.md "Unified function-call environments").
+"""The one environment API every task family implements (ARCHITECTURE.md "Unified function-call environments").
 
 Lifecycle, all async:
 

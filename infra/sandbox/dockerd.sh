@@ -5,7 +5,7 @@
 #   infra/sandbox/dockerd.sh status   # exit 0 when the engine answers
 #   infra/sandbox/dockerd.sh stop
 #
-# cgroupfs driver and overlay2, as DESIGN.md "Local infrastructure" found working on these machines.
+# cgroupfs driver and overlay2, as ARCHITECTURE.md "Local infrastructure" found working on these machines.
 # Idempotent: start on a running engine and stop on a stopped one do nothing.
 set -euo pipefail
 

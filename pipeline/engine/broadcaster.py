@@ -1,6 +1,6 @@
 """The learner's side of the fast path: broadcast each new version to the engines of a pool.
 
-Two-speed weight sync (DESIGN.md): the current pool receives every version, the stale pool every
+Two-speed weight sync (ARCHITECTURE.md): the current pool receives every version, the stale pool every
 `stale_step`-th. Each pool has its own weight-sync group (the learner is rank 0, the pool's
 engines ranks 1..N), formed once on first use, because a collective needs every rank of its
 group: the stale engines cannot sit in the current pool's group and skip versions.

@@ -135,7 +135,7 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
     engine_id = engine_id or f"{pool}-{port}"
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / f"{engine_id}.log"
-    command = [sys.executable, "-m", "pipeline.engine_cmd", "--pool", pool, "--model", str(model_dir),
+    command = [sys.executable, "-m", "pipeline.cli.engine", "--pool", pool, "--model", str(model_dir),
                "--port", str(port), "--engine-id", engine_id, "--run", run,
                "--work-dir", str(work_dir / engine_id), "--host", bind_host, *extra_args]
     if advertise_host:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import REPO_ROOT
-from pipeline.faults_logic import POISON_TOPICS, SCALED_DOWN
+from pipeline.run.config import REPO_ROOT
+from pipeline.bench.faults_logic import POISON_TOPICS, SCALED_DOWN
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from pipeline.bench_rollout import bench_rollout
-from pipeline.model_init import PolicyModelSettings, init_model
+from pipeline.bench.rollout import bench_rollout
+from pipeline.policy.model_init import PolicyModelSettings, init_model
 
 pytestmark = pytest.mark.integration
 

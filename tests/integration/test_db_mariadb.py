@@ -39,7 +39,7 @@ from env_workers.envs import db, db_grading, registry
 from env_workers.envs.base import EnvSettings, Status, TaskError, assistant_call
 from env_workers.envs.check import check_family
 from env_workers.envs.db_mysql import MysqlBackend
-from pipeline import env_cmd
+from pipeline.cli import env as env_cmd
 
 pytestmark = pytest.mark.integration
 

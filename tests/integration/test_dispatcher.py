@@ -11,10 +11,10 @@ import uuid
 import pytest
 from typer.testing import CliRunner
 
-from pipeline import dispatch_cmd
-from pipeline import dispatcher_logic as logic
-from pipeline.bench_streams import TopicReader, weights
-from pipeline.dispatcher import run_dispatcher
+from pipeline.cli import dispatch as dispatch_cmd
+from pipeline.dispatch import logic
+from pipeline.bench.streams import TopicReader, weights
+from pipeline.dispatch.dispatcher import run_dispatcher
 from schemas import samples, topics
 from schemas.bus import EventProducer, now_ms
 

@@ -4,7 +4,7 @@ running learner.broadcast.send_buckets over Gloo), requests in flight during an 
 shards, and heartbeats.
 
 One engine for the whole module, started through the real entry point (`python -m
-pipeline.engine_cmd`), serving a tiny default-architecture policy (head_dim 64). Every update
+pipeline.cli.engine`), serving a tiny default-architecture policy (head_dim 64). Every update
 loads new random weights, and the engine's greedy output (temperature 0) must then equal, token
 for token, what a transformers forward pass of the same weights produces greedily.
 """
@@ -37,8 +37,8 @@ from env_workers.engine_client import WEIGHT_VERSION_HEADER, completion_request
 from learner.manifest import ShardIntegrityError, specs_of, write_version
 from pipeline.engine.heartbeat import parse_queue_metrics
 from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load, should_load
-from pipeline.engine_cmd import app as engine_app
-from pipeline.model_init import PolicyModelSettings, init_model
+from pipeline.cli.engine import app as engine_app
+from pipeline.policy.model_init import PolicyModelSettings, init_model
 from schemas import objectstore, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.weight_layout import MANIFEST_FILE, plan_buckets
@@ -75,7 +75,7 @@ def engine(infra, tmp_path_factory) -> Iterator[Engine]:
     heartbeats = EventConsumer(infra.kafka, f"test-heartbeats-{engine_id}", [topics.ENGINES], auto_offset_reset="latest")
     heartbeats.poll(2.0)  # join the group before the engine's first heartbeat
     log_path = model_dir.parent / "engine.log"
-    command = [sys.executable, "-m", "pipeline.engine_cmd", "--pool", "current", "--model", str(model_dir),
+    command = [sys.executable, "-m", "pipeline.cli.engine", "--pool", "current", "--model", str(model_dir),
                "--port", str(port), "--engine-id", engine_id, "--run", run, "--max-model-len", "2048",
                "--heartbeat-s", str(HEARTBEAT_S), "--stall-after-s", str(STALL_S), "--work-dir", str(model_dir.parent / "engines")]
     started = time.monotonic()
@@ -396,7 +396,7 @@ def test_an_engine_whose_broker_is_gone_still_takes_its_vllm_server_down_when_st
     init_model(TINY, model_dir)
     port = free_port()
     env = {**os.environ, "ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}"}  # nothing listens
-    command = [sys.executable, "-m", "pipeline.engine_cmd", "--pool", "current", "--model", str(model_dir),
+    command = [sys.executable, "-m", "pipeline.cli.engine", "--pool", "current", "--model", str(model_dir),
                "--port", str(port), "--max-model-len", "1024", "--work-dir", str(tmp_path / "engines")]
     with open(tmp_path / "engine.log", "wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,

@@ -40,7 +40,7 @@ from env_workers.envs.base import EnvSettings
 from env_workers.settings import AgentLoopSettings
 from env_workers.worker import EnvWorker
 from env_workers.worker_settings import EnvWorkerSettings
-from pipeline.model_init import PolicyModelSettings, init_model
+from pipeline.policy.model_init import PolicyModelSettings, init_model
 from schemas import samples, topics
 from schemas.arrays import unpack_ids, unpack_mask
 from schemas.bus import EventConsumer, EventProducer
@@ -334,7 +334,7 @@ def test_engine_going_away_mid_trajectory_retries_or_ends_as_task_error(infra, e
 
 
 def _worker_process(engine: Engine, run: str, worker_id: str, log_dir: Path) -> subprocess.Popen:
-    command = [sys.executable, "-c", "import typer; from pipeline.env_worker_cmd import env_worker; typer.run(env_worker)",
+    command = [sys.executable, "-c", "import typer; from pipeline.cli.env_worker import env_worker; typer.run(env_worker)",
                "--run", run, "--model", str(engine.model_dir), "--engine", f"current={engine.url}",
                "--concurrency", "2", "--max-turns", "3", "--max-new-tokens", "24", "--max-total-len", "3072",
                "--worker-id", worker_id, "--json"]

@@ -19,7 +19,7 @@ from learner.manifest import decode_version
 from learner.process import LearnerLoop, ReferenceMismatch, ResumeError, batch_items
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
-from pipeline.learner_cmd import load_policy
+from pipeline.cli.learner import load_policy
 from schemas import arrays, eventref, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.eventref import EventFetcher, EventMissing
@@ -164,7 +164,7 @@ def test_a_fresh_start_on_a_run_with_versions_is_refused(infra, tmp_path):
 def test_learner_command_refuses_a_directory_without_a_model_in_one_line(tmp_path):
     from typer.testing import CliRunner
 
-    from pipeline import learner_cmd
+    from pipeline.cli import learner as learner_cmd
 
     result = CliRunner().invoke(learner_cmd.app, ["--run", "r", "--model", str(tmp_path)])
     assert result.exit_code == 1
@@ -175,7 +175,7 @@ def test_bench_learner_refuses_an_empty_batch_in_one_line():
     import typer
     from typer.testing import CliRunner
 
-    from pipeline.bench_learner import bench_learner
+    from pipeline.bench.learner import bench_learner
 
     app = typer.Typer()
     app.command()(bench_learner)

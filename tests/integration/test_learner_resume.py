@@ -18,7 +18,7 @@ from learner.checkpoint import TrainingState
 from learner.process import Published, batch_items, plan_resume
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
-from pipeline.learner_cmd import load_policy
+from pipeline.cli.learner import load_policy
 from schemas import objectstore
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -26,7 +26,7 @@ SETTINGS = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=64, checkpoint_in
 
 
 def start_learner(run: str, model_dir: Path, log: Path, *extra: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "pipeline.learner_cmd", "--run", run, "--model", str(model_dir),
+    command = [sys.executable, "-m", "pipeline.cli.learner", "--run", run, "--model", str(model_dir),
                "--checkpoint-interval", "1", "--lr", "1e-3", "--max-tokens-per-micro-batch", "64",
                "--idle-exit", "90", "--quiet", *extra]
     return subprocess.Popen(command, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=log.open("w"),

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 from env_workers.engine_client import WEIGHT_VERSION_HEADER, completion_request, parse_completion
 from learner.manifest import decode_version
 from pipeline.engine.launch import free_port, launch_engine
-from pipeline.model_init import PolicyModelSettings, build_tokenizer, init_model
+from pipeline.policy.model_init import PolicyModelSettings, build_tokenizer, init_model
 from schemas.template import template_fingerprint
 from schemas import arrays, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
@@ -107,7 +107,7 @@ def _max_logprob_gap(model: torch.nn.Module, ids: list[int], logprobs: list[floa
 
 
 def _learner(run: str, model_dir: Path, *args: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "pipeline.learner_cmd", "--run", run, "--model", str(model_dir),
+    result = subprocess.run([sys.executable, "-m", "pipeline.cli.learner", "--run", run, "--model", str(model_dir),
                              "--lr", "0.01", "--checkpoint-interval", "1", "--quiet", "--json", *args],
                             cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -19,7 +19,7 @@ from learner.process import batch_items
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.engine.launch import free_port
-from pipeline.learner_cmd import load_policy
+from pipeline.cli.learner import load_policy
 from schemas import objectstore
 
 pytestmark = pytest.mark.integration
@@ -30,7 +30,7 @@ SETTINGS = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=40, checkpoint_in
 
 def torchrun(run: str, model_dir: Path, *extra: str, timeout: float = 600) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-               str(free_port()), "-m", "pipeline.learner_cmd", "--run-id", run, "--model", str(model_dir),
+               str(free_port()), "-m", "pipeline.cli.learner", "--run-id", run, "--model", str(model_dir),
                "--lr", str(SETTINGS.lr), "--max-tokens-per-micro-batch", str(SETTINGS.max_tokens_per_micro_batch),
                "--checkpoint-interval", "1", "--quiet", *extra]
     return subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
@@ -40,7 +40,7 @@ def torchrun(run: str, model_dir: Path, *extra: str, timeout: float = 600) -> su
 def test_a_start_refused_on_rank_0_ends_every_rank_at_once(infra, tmp_path):
     run = f"torchrun-{uuid.uuid4().hex[:10]}"
     model_dir = save_tiny_model(tmp_path / "model")
-    first = subprocess.run([sys.executable, "-m", "pipeline.learner_cmd", "--run", run, "--model", str(model_dir),
+    first = subprocess.run([sys.executable, "-m", "pipeline.cli.learner", "--run", run, "--model", str(model_dir),
                             "--max-steps", "1", "--idle-exit", "1", "--quiet"],
                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr[-2000:]

@@ -18,8 +18,8 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.replay_cmd import app
-from pipeline.replay_logic import ReplayRecord, columns, flatten
+from pipeline.cli.replay import app
+from pipeline.analysis.replay_logic import ReplayRecord, columns, flatten
 from schemas import arrays, ids, samples, topics
 from schemas.bus import EventProducer, now_ms
 from streams import aggregation, batching

@@ -11,8 +11,8 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from pipeline.model_cmd import app
-from pipeline.model_init import PolicyModelSettings, init_model
+from pipeline.cli.model import app
+from pipeline.policy.model_init import PolicyModelSettings, init_model
 
 pytestmark = pytest.mark.integration
 

@@ -14,9 +14,11 @@ from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 from test_learner_process import make_batch, make_loop, save_tiny_model, weight_events
 from typer.testing import CliRunner
 
-from pipeline import infra_cmd, replay_cmd
-from pipeline.bench_streams import BenchRun, WorkerProcess, feed_windowed
-from pipeline.replay import read_topic, store_fetch
+from pipeline.cli import infra as infra_cmd
+
+from pipeline.cli import replay as replay_cmd
+from pipeline.bench.streams import BenchRun, WorkerProcess, feed_windowed
+from pipeline.analysis.replay import read_topic, store_fetch
 from schemas import codec as codec_module
 from schemas import objectstore, topics
 from schemas.bus import EventProducer

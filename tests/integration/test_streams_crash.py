@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from pipeline.bench_streams import TopicReader, WorkerProcess, trajectory, weights
+from pipeline.bench.streams import TopicReader, WorkerProcess, trajectory, weights
 from schemas import topics
 from schemas.bus import EventProducer
 from schemas.codec import codec

@@ -16,7 +16,7 @@ import httpx
 import numpy as np
 import pytest
 
-from pipeline.bench_streams import TopicReader, WorkerProcess, trajectory, weights
+from pipeline.bench.streams import TopicReader, WorkerProcess, trajectory, weights
 from schemas import samples, topics
 from schemas.bus import EventProducer, now_ms
 from schemas.codec import codec

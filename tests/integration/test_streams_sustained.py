@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from pipeline.bench_streams import BenchRun, WorkerProcess, feed_windowed
+from pipeline.bench.streams import BenchRun, WorkerProcess, feed_windowed
 from schemas import topics
 from streams.settings import StreamsSettings
 from streams.worker import start_at_end

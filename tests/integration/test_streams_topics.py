@@ -11,7 +11,7 @@ import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 
-from pipeline.bench_streams import weights
+from pipeline.bench.streams import weights
 from schemas import topics
 from schemas.bus import EventProducer
 from schemas.codec import codec

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.config import REPO_ROOT
+from pipeline.run.config import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -29,7 +29,7 @@ from env_workers.agent_loop import Rollout, run_agent_loop
 from env_workers.chat_template import ChatEncoder
 from env_workers.engine_client import EngineClient, completion_request
 from env_workers.settings import AgentLoopSettings
-from pipeline.model_init import PolicyModelSettings, init_model
+from pipeline.policy.model_init import PolicyModelSettings, init_model
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
 from pipeline.engine.launch import free_port
 

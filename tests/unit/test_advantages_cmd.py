@@ -5,7 +5,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.advantages_cmd import app
+from pipeline.cli.advantages import app
 
 EXAMPLE = {"rewards": [1, 0, 0.5, 1, 0, 1], "group_ids": [0, 0, 1, 1, 2, 2], "task_ids": [0, 0, 0, 0, 1, 1],
            "loss_masks": [[0, 1, 1, 1], [0, 1, 1, 0], [0, 1, 1, 1], [0, 1, 0, 0], [0, 1, 1, 1], [0, 1, 1, 0]]}

@@ -19,7 +19,7 @@ from env_workers.agent_loop import Rollout, run_agent_loop, trajectory_id
 from env_workers.chat_template import ChatEncoder, TemplatePrefixError
 from env_workers.engine_client import EngineError, Generation, completion_request, parse_completion
 from env_workers.settings import AgentLoopSettings
-from pipeline.model_init import build_tokenizer
+from pipeline.policy.model_init import build_tokenizer
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
 from schemas.codec import codec
 

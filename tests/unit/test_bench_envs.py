@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from env_workers.envs.base import EnvSettings, Environment, Opened, Outcome, Session, ToolCall
-from pipeline import bench_envs
+from pipeline.bench import envs as bench_envs
 
 RUNNER = CliRunner()
 

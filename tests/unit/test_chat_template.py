@@ -6,7 +6,7 @@ import pytest
 
 from env_workers.chat_template import ChatEncoder, TemplatePrefixError
 from schemas.template import template_fingerprint
-from pipeline.model_init import CHAT_TEMPLATE, build_tokenizer
+from pipeline.policy.model_init import CHAT_TEMPLATE, build_tokenizer
 
 TOOLS = [{"type": "function", "function": {"name": "execute_sql", "description": "Run SQL.", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]

@@ -6,7 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.config import load_config
+from pipeline.run.config import load_config
 
 
 def test_environment_overrides_the_yaml_file_which_overrides_defaults(tmp_path, monkeypatch):

@@ -18,10 +18,10 @@ from env_workers.envs import calc, registry
 from env_workers.envs.base import EnvSettings
 from env_workers.tool_parser import parse_tool_calls
 from learner.microbatch import MicroBatch, make_micro_batches
-from pipeline.demonstrations import Demonstration, demonstrations, oracle_episode, tokenize
-from pipeline.model_cmd import app
-from pipeline.model_init import PolicyModelSettings, build_config, build_tokenizer, init_model
-from pipeline.sft import SftSettings, batches, lr_at, masked_token_losses, shared_prefix_length, suffix_logits
+from pipeline.policy.demonstrations import Demonstration, demonstrations, oracle_episode, tokenize
+from pipeline.cli.model import app
+from pipeline.policy.model_init import PolicyModelSettings, build_config, build_tokenizer, init_model
+from pipeline.policy.sft import SftSettings, batches, lr_at, masked_token_losses, shared_prefix_length, suffix_logits
 
 SETTINGS = EnvSettings()
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipeline.dispatcher_logic import (
+from pipeline.dispatch.logic import (
     Cursor, DispatcherSettings, Slot, TaskSource, cursor_from_dispatched, dispatch_budget, group_id, in_flight,
     next_slots, plan_training, plan_validation, position_of, slot_at, validation_round_due,
 )

@@ -1,6 +1,6 @@
 """The dispatcher's view of training progress: which groups no longer hold in-flight credit."""
 
-from pipeline.dispatcher import Progress
+from pipeline.dispatch.dispatcher import Progress
 
 
 def test_groups_count_as_trained_once_a_newer_version_answers_their_batch():

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from env_workers.envs.base import DEFAULT_DATA_ROOT
-from pipeline import env_cmd
+from pipeline.cli import env as env_cmd
 
 DB_DEV = DEFAULT_DATA_ROOT / "agentbench" / "dbbench" / "dev.jsonl"
 KG_DEV = DEFAULT_DATA_ROOT / "metaqa" / "2-hop" / "qa_dev.txt"

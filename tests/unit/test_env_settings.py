@@ -10,7 +10,7 @@ from env_workers.envs import registry
 from env_workers.envs.base import EnvSettings
 from env_workers.sandbox import SandboxSettings, bwrap
 from env_workers.worker_settings import EnvWorkerSettings
-from pipeline.config import load_config
+from pipeline.run.config import load_config
 
 CONFIGURED = SandboxSettings(backend="bwrap", memory_bytes=1 << 28, max_processes=32, command_timeout_s=5.0)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from typer.testing import CliRunner
 
-from pipeline.env_worker_cmd import env_worker, parse_engines
+from pipeline.cli.env_worker import env_worker, parse_engines
 
 app = typer.Typer()
 app.command()(env_worker)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from pipeline import cli
-from pipeline.eval_cmd import validation_sources
-from pipeline.sft import EVAL_SPLITS
+from pipeline.cli.eval import validation_sources
+from pipeline.policy.sft import EVAL_SPLITS
 
 
 def test_std_means_each_familys_held_out_split_and_samples_cap_the_count():

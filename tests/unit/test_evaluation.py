@@ -1,4 +1,4 @@
-"""Evaluation statistics (pipeline/evaluation.py) on hand-made trajectories with hand-computed answers."""
+"""Evaluation statistics (pipeline/analysis/evaluation.py) on hand-made trajectories with hand-computed answers."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.evaluation import (
+from pipeline.analysis.evaluation import (
     before_after,
     dedup,
     MIN_PAIRED_SAMPLES,

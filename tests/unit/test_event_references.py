@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.bench_streams import trajectory
-from pipeline.replay_logic import ReplayRecord, verify, with_referred_arrays
+from pipeline.bench.streams import trajectory
+from pipeline.analysis.replay_logic import ReplayRecord, verify, with_referred_arrays
 from schemas import eventref, topics
 from schemas.codec import codec
 from streams.aggregator_agent import by_reference

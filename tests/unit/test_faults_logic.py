@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pipeline.faults_logic import (FaultRecord, FaultSchedule, dead_letter_positions, fault_table, redone,
+from pipeline.bench.faults_logic import (FaultRecord, FaultSchedule, dead_letter_positions, fault_table, redone,
                                    restarts_per_fault)
 from schemas import topics
 

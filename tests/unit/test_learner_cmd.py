@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from pipeline import learner_cmd
+from pipeline.cli import learner as learner_cmd
 
 
 def test_an_unknown_parallelism_is_refused_in_one_line(tmp_path):

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from typer.testing import CliRunner
 
-from pipeline.model_cmd import app
-from pipeline.model_init import IM_END, PolicyModelSettings, build_tokenizer, init_model
-from pipeline.tokenizer_corpus import default_corpus
+from pipeline.cli.model import app
+from pipeline.policy.model_init import IM_END, PolicyModelSettings, build_tokenizer, init_model
+from pipeline.policy.tokenizer_corpus import default_corpus
 
 
 @pytest.fixture(scope="module")

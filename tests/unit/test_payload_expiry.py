@@ -1,10 +1,10 @@
-"""The payload bucket's expiration, derived from the `batches` topic's retention (pipeline/infra_cmd.py)."""
+"""The payload bucket's expiration, derived from the `batches` topic's retention (pipeline/cli/infra.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.infra_cmd import expiration_days
+from pipeline.cli.infra import expiration_days
 
 
 @pytest.mark.parametrize("retention_ms,days", [

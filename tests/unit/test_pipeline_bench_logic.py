@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.pipeline_bench_logic import (comparison, learner_intervals, merged, mode_figures, stages_alone,
+from pipeline.bench.pipeline_logic import (comparison, learner_intervals, merged, mode_figures, stages_alone,
                                            union_ms)
 
 

@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
-from pipeline.replay import write_records
-from pipeline.replay_cmd import app
-from pipeline.replay_logic import (
+from pipeline.analysis.replay import write_records
+from pipeline.cli.replay import app
+from pipeline.analysis.replay_logic import (
     COMMON_COLUMNS,
     COLUMNS,
     Bound,
@@ -34,7 +34,7 @@ from streams.settings import StreamsSettings
 
 RUN = "unit-replay"
 STREAMS = StreamsSettings(group_size=4, batch_size=2)
-REPLAY_MD = Path(__file__).resolve().parents[2] / "pipeline" / "REPLAY.md"
+REPLAY_MD = Path(__file__).resolve().parents[2] / "pipeline" / "analysis" / "REPLAY.md"
 
 
 # -- a consistent synthetic run ----------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The run report (pipeline/report.py, pipeline/report_cmd.py) on a small synthetic run whose numbers
+"""The run report (pipeline/analysis/report.py, pipeline/cli/report.py) on a small synthetic run whose numbers
 are worked out by hand. Every event goes through the real Avro codec first, so the report reads
 exactly the field names and types the topics carry."""
 
@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from pipeline.report import (
+from pipeline.analysis.report import (
     ReportSettings,
     build_report,
     group_staleness,
@@ -25,9 +25,9 @@ from pipeline.report import (
     training_turns,
     trajectory_versions,
 )
-from pipeline.report_cmd import app as report_app
-from pipeline.report_cmd import events_from_records, print_summary
-from pipeline.replay_logic import ReplayRecord
+from pipeline.cli.report import app as report_app
+from pipeline.cli.report import events_from_records, print_summary
+from pipeline.analysis.replay_logic import ReplayRecord
 from schemas import arrays, codec, topics
 from schemas.ids import batch_id, group_id, trajectory_id
 
@@ -295,7 +295,7 @@ def test_report_help_shows_an_example() -> None:
 
 
 def test_learning_signal_counts_training_groups_whose_rewards_were_all_equal():
-    from pipeline.report import learning_signal
+    from pipeline.analysis.report import learning_signal
 
     groups = [{"task": "calc", "validation": False, "all_equal": True},
               {"task": "calc", "validation": False, "all_equal": False},
@@ -306,7 +306,7 @@ def test_learning_signal_counts_training_groups_whose_rewards_were_all_equal():
 
 
 def test_groups_filtered_out_as_all_equal_count_as_equal_groups_once_and_validation_ones_not_at_all():
-    from pipeline.report import learning_signal
+    from pipeline.analysis.report import learning_signal
     from schemas.topics import GROUP_DROPPED_METRIC
 
     def dropped(gid, reason="all_equal", task="calc"):

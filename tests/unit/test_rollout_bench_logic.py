@@ -1,11 +1,11 @@
-"""`rollstream bench rollout`'s pure part (pipeline/rollout_bench_logic.py)."""
+"""`rollstream bench rollout`'s pure part (pipeline/bench/rollout_logic.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from env_workers.engines import turn_seed
-from pipeline.rollout_bench_logic import caught_up, loop_seconds, status_counts, transfer, turn_requests
+from pipeline.bench.rollout_logic import caught_up, loop_seconds, status_counts, transfer, turn_requests
 from schemas import arrays
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pipeline.run_view import RunView, render
+from pipeline.run.live_view import RunView, render
 from schemas import samples, topics
 from rich.console import Console
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.scale_logic import account_tasks, efficiencies, scale_figures, window_rate
+from pipeline.bench.scale_logic import account_tasks, efficiencies, scale_figures, window_rate
 
 
 def test_rate_counts_events_inside_the_half_open_window():

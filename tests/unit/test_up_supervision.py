@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from pipeline.up import Interrupted, RunFailed, Stack, catch_interrupts
-from pipeline.up_plan import Child
+from pipeline.run.up import Interrupted, RunFailed, Stack, catch_interrupts
+from pipeline.run.plan import Child
 
 
 def _wait_exit(stack: Stack) -> None:

@@ -1,0 +1,74 @@
+"""The `rollstream` command line.
+
+Every subcommand lives in its own module and is registered here. Conventions (STYLE.md):
+machine-readable output with `--json` on stdout, progress and logs on stderr, a user mistake
+ends in one line and a non-zero exit, and each command's help shows an example.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from pipeline.bench import bus as bench_bus
+from pipeline.bench import envs as bench_envs
+from pipeline.bench import faults as bench_faults
+from pipeline.bench import learner as bench_learner
+from pipeline.bench import pipeline as bench_pipeline
+from pipeline.bench import rollout as bench_rollout
+from pipeline.bench import scale as bench_scale
+from pipeline.bench import streams as bench_streams
+from pipeline.cli import advantages as advantages_cmd
+from pipeline.cli import dispatch as dispatch_cmd
+from pipeline.cli import engine as engine_cmd
+from pipeline.cli import env as env_cmd
+from pipeline.cli import env_worker as env_worker_cmd
+from pipeline.cli import eval as eval_cmd
+from pipeline.cli import infra as infra_cmd
+from pipeline.cli import learner as learner_cmd
+from pipeline.cli import model as model_cmd
+from pipeline.cli import replay as replay_cmd
+from pipeline.cli import report as report_cmd
+from pipeline.cli import smoke
+from pipeline.cli import streams as streams_cmd
+from pipeline.cli import up as up_cmd
+
+app = typer.Typer(
+    name="rollstream",
+    help="Reinforcement learning for LLM agents as an event-streaming dataflow on Apache Kafka.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks: each prints a table, or one JSON object with --json.", no_args_is_help=True)
+
+app.add_typer(infra_cmd.app, name="infra")
+app.add_typer(bench_app, name="bench")
+app.add_typer(env_cmd.app, name="env")
+app.add_typer(model_cmd.app, name="model")
+app.command("smoke")(smoke.smoke)
+app.command("advantages")(advantages_cmd.advantages)
+bench_app.command("bus")(bench_bus.bench_bus)
+bench_app.command("learner")(bench_learner.bench_learner)
+bench_app.command("envs")(bench_envs.bench_envs)
+app.command("learner")(learner_cmd.learner)
+app.command("engine")(engine_cmd.engine)
+app.command("env-worker")(env_worker_cmd.env_worker)
+app.add_typer(streams_cmd.app, name="streams")
+app.command("dispatch")(dispatch_cmd.dispatch)
+bench_app.command("streams")(bench_streams.bench_streams)
+bench_app.command("rollout")(bench_rollout.bench_rollout)
+bench_app.command("faults")(bench_faults.bench_faults)
+bench_app.command("scale")(bench_scale.bench_scale)
+bench_app.command("pipeline")(bench_pipeline.bench_pipeline)
+app.command("up")(up_cmd.up)
+app.command("eval")(eval_cmd.eval_checkpoint)
+app.command("report")(report_cmd.report)
+app.add_typer(replay_cmd.app, name="replay")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""`rollstream up`: train, validate and report one run (pipeline/run/up.py), then stop everything."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from pydantic import ValidationError
+from rich.console import Console
+
+from pipeline.run.config import RollstreamConfig, load_config
+from pipeline.run.up import RunFailed, default_run_id, run_up, summary_json
+
+
+def _config(path: Path | None, max_steps: int | None) -> RollstreamConfig:
+    try:
+        cfg = load_config(path)
+        if max_steps is not None:
+            cfg = cfg.replaced(max_steps=max_steps)
+        return cfg
+    except (ValidationError, ValueError, OSError) as e:
+        message = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()) \
+            if isinstance(e, ValidationError) else str(e)
+        typer.echo(f"rollstream up: invalid configuration: {message}", err=True)
+        raise typer.Exit(code=2) from None
+
+
+def up(
+    config: Path | None = typer.Option(None, "--config", help="YAML run configuration (see configs/)."),
+    run: str = typer.Option("", "--run", help="Run id (default: run-<date>-<time>); a new id starts a new run."),
+    max_steps: int | None = typer.Option(None, "--max-steps", help="Override the configured learner steps."),
+    report: bool = typer.Option(True, "--report/--no-report", help="Build runs/<run>/ report at the end."),
+    live: bool = typer.Option(True, "--live/--no-live", help="Live progress screen on stderr."),
+    as_json: bool = typer.Option(False, "--json", help="At the end, one JSON summary on stdout."),
+) -> None:
+    """Train one run end to end: policy, engines, Faust worker, env workers, learner, dispatcher;
+    live progress; final validation; the report; then everything stopped (also on Ctrl-C).
+
+    Example: rollstream up --config configs/cpu.yaml
+    """
+    cfg = _config(config, max_steps)
+    run = run or default_run_id()
+    console = Console(stderr=True)
+    try:
+        summary = run_up(cfg, run, console=console, live=live and sys.stderr.isatty())
+    except RunFailed as error:
+        console.print(f"[red]rollstream up: run {run} failed:[/red] {error}")
+        raise typer.Exit(code=1) from None
+    if report:
+        from pipeline.cli.report import NoEvents, print_summary, write_report  # matplotlib only for a report
+
+        try:
+            report_summary = write_report(cfg, run, Path(summary["run_dir"]), since=summary["started_at"])
+        except NoEvents as error:
+            console.print(f"no report: {error}")
+        else:
+            summary["report"] = {"folder": summary["run_dir"], **report_summary}
+            if not as_json:
+                print_summary(report_summary, Path(summary["run_dir"]), Console())
+    if as_json:
+        typer.echo(summary_json(summary))
+    else:
+        console.print(f"run {run}: {summary['outcome']} in {summary['duration_s']:.0f} s; folder {summary['run_dir']}")
+    if summary["outcome"] == "interrupted":
+        raise typer.Exit(code=130)

@@ -1,0 +1,256 @@
+"""The run configuration: composes every component's settings model, and is the only place that
+reads the environment and configuration files.
+
+Sources, highest first: environment variables (ROLLSTREAM_ prefix, nested
+fields joined with "__", e.g. ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS), a YAML file, the defaults.
+The local infrastructure's own variables (KAFKA_HOST/KAFKA_PORT, MINIO_HOST/MINIO_PORT,
+MINIO_ROOT_USER/MINIO_ROOT_PASSWORD, read by infra/*.sh) are honoured too, so one export moves
+both the servers and the clients; so is ROLLSTREAM_DATA (the task data root, `envs.data_root`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import PositiveInt, BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from env_workers.envs.base import EnvSettings
+from env_workers.settings import AgentLoopSettings
+from learner.settings import LearnerSettings
+from schemas.settings import KafkaSettings, ObjectStoreSettings
+from streams.settings import StreamsSettings
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class PolicySettings(BaseModel):
+    """The policy a run starts from."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    path: Path = Path(".run/models/default")
+    """Hugging Face checkpoint directory (ours or e.g. Qwen2.5); when it holds no checkpoint, `rollstream up`
+    makes the default policy there with `model init` and `model sft` at their defaults (the paper starts
+    from Qwen2.5-Instruct; run those two commands yourself for another architecture or warm-start)."""
+
+
+class EngineFleetSettings(BaseModel):
+    """The inference engines one run starts (`rollstream engine` processes)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    current: int = Field(3, ge=1)
+    """Engines of the current pool (AgentRL: 75% of the inference capacity)."""
+    stale: int = Field(1, ge=0)
+    """Engines of the stale pool (AgentRL: 25%); 0 turns cross-policy sampling off."""
+    max_model_len: int = Field(8192, ge=16)
+    """Longest sequence an engine serves (AgentRL max_total_len 8192)."""
+    start_timeout_s: float = Field(600.0, gt=0)
+    """How long an engine may take to serve (30-80 s on 2 CPU cores)."""
+    bind_host: str = "127.0.0.1"
+    """Address engines serve on; 0.0.0.0 lets env workers on other hosts (containers) reach them."""
+    advertise_host: str | None = None
+    """Host name engines give in their heartbeats, where env workers elsewhere find them (docker-compose: trainer)."""
+    nice: int = Field(0, ge=0, le=19)
+    """Scheduling niceness of the engine processes (0: the same as the rest of the run; no paper default, its
+    engines have GPUs of their own). Where engines share the CPU cores with the learner, the learner is the
+    bottleneck and rollouts beyond what it consumes are wasted; a positive value lets it take the cores it needs
+    while the engines fill the rest. Engines run in sessions of their own, so under the kernel's autogroup
+    scheduling the niceness is given to their sessions too (pipeline/engine/launch.set_session_niceness)."""
+
+
+class EnvWorkerFleetSettings(BaseModel):
+    """The env workers one run starts (one consumer group)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    count: int = Field(2, ge=1)
+    """Env-worker processes; adding one scales the rollout fleet."""
+    concurrency: int = Field(1024, ge=1)
+    """Agent loops at once per worker (AgentRL: concurrency 2048 in all)."""
+
+
+class MixSettings(BaseModel):
+    """What the dispatcher feeds: the training mix and the validation sets."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    families: tuple[str, ...] = ("os", "db", "kg", "alfworld", "webshop")
+    """Training families, interleaved round-robin, as FAMILY or FAMILY:SPLIT (AgentRL: its five tasks)."""
+    weights: dict[str, PositiveInt] = {}
+    """Groups a family contributes per turn of the round-robin, FAMILY: N (AgentRL: 1 each, the default)."""
+    val_families: tuple[str, ...] = ("os", "db", "kg", "alfworld", "webshop")
+    """Validation families, FAMILY or FAMILY:SPLIT; a family without a split uses its held-out split."""
+    val_samples: int | dict[str, int] | None = None
+    """Validation samples per family (the first ones of its split), one number or per family; None = the whole split."""
+    max_in_flight_groups: int | None = Field(None, ge=1)
+    """Groups dispatched and not yet trained; None = 2 x batch size (AgentRL's queue)."""
+    val_interval: int = Field(25, ge=1)
+    """Validate every this many learner steps (AgentRL: 25)."""
+    val_group_size: int = Field(4, ge=1)
+    """Rollouts per validation sample (AgentRL: n = 4)."""
+    val_before_train: bool = True
+    """Validate the starting policy at version 0: the 'before' of the report."""
+
+
+class RollstreamConfig(BaseSettings):
+    """Everything one rollstream run is configured by."""
+
+    model_config = SettingsConfigDict(env_prefix="ROLLSTREAM_", env_nested_delimiter="__", frozen=True, extra="forbid")
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings):  # type: ignore[no-untyped-def]
+        # The environment wins over what load_config passes in (the YAML file); no .env files.
+        return (env_settings, init_settings)
+
+    run: str = "local"
+    """Run id stamped on every event of the run."""
+    kafka: KafkaSettings = KafkaSettings()
+    """Event bus connection."""
+    object_store: ObjectStoreSettings = ObjectStoreSettings()
+    """Object store connection (weights, checkpoints, large payloads)."""
+    policy: PolicySettings = PolicySettings()
+    """The starting policy."""
+    engines: EngineFleetSettings = EngineFleetSettings()
+    """Inference engines."""
+    env_workers: EnvWorkerFleetSettings = EnvWorkerFleetSettings()
+    """Rollout workers."""
+    agent_loop: AgentLoopSettings = AgentLoopSettings()
+    """Per-trajectory limits and sampling (max_turns 20, max_total_len 8192, temperature 0.8, ...)."""
+    mix: MixSettings = MixSettings()
+    """Training and validation tasks."""
+    envs: EnvSettings = EnvSettings()
+    """Task environments: data root (also ROLLSTREAM_DATA), round limits (AgentBench's), the os sandbox
+    backend and limits (e.g. ROLLSTREAM_ENVS__OS_SANDBOX__BACKEND=docker)."""
+    streams: StreamsSettings = StreamsSettings()
+    """Grouping, routing and batching (n 8, batch 256, stale ratio 0.25, stale_step 25, first batch 1.7x, ...)."""
+    learner: LearnerSettings = LearnerSettings()
+    """PPO + KL (lr 1e-6, clip 0.2, dual clip 3, KL 1e-4, ...)."""
+    max_steps: int = Field(100, ge=1)
+    """Learner steps a `rollstream up` run trains for before its final validation and report."""
+    max_restarts: int = Field(3, ge=0)
+    """Times `rollstream up` restarts a process that died on its own (the learner with --resume); 0 ends the run."""
+    runs_dir: Path = Path("runs")
+    """Where each run's folder (logs, report, figures) is written."""
+
+    def run_dir(self, run: str) -> Path:
+        """runs/<run>/: a relative runs_dir is taken from the repository root, not the working directory."""
+        return (self.runs_dir if self.runs_dir.is_absolute() else REPO_ROOT / self.runs_dir) / run
+
+    def as_data(self) -> dict[str, Any]:
+        """The configuration as plain data that validates back to it: learner.stale_step is left out
+        unless it was set (it follows streams.stale_step; a dumped default would read as a conflict)."""
+        exclude = None if "stale_step" in self.learner.model_fields_set else {"learner": {"stale_step"}}
+        return self.model_dump(exclude=exclude)
+
+    def replaced(self, **changes: Any) -> RollstreamConfig:
+        """A copy with top-level `changes`, validated again (model_copy would skip the cross-checks)."""
+        return RollstreamConfig(**{**self.as_data(), **changes})
+
+    def learner_settings(self) -> LearnerSettings:
+        """The learner's settings as the run gives them: its stale_step (retention, stale broadcasts)
+        is the streams' stale_step, set once under `streams:`."""
+        return self.learner.model_copy(update={"stale_step": self.streams.stale_step})
+
+    def policy_dir(self) -> Path:
+        """The policy checkpoint directory, a relative policy.path taken from the repository root."""
+        return self.policy.path if self.policy.path.is_absolute() else REPO_ROOT / self.policy.path
+
+    @model_validator(mode="after")
+    def _components_agree(self) -> RollstreamConfig:
+        # Settings that two components must share are set once; these are the ones that are not.
+        if self.streams.max_turns != self.agent_loop.max_turns:
+            raise ValueError(f"streams.max_turns ({self.streams.max_turns}) must equal agent_loop.max_turns "
+                             f"({self.agent_loop.max_turns}): the router plans one pool per turn")
+        if self.learner.temperature != self.agent_loop.temperature:
+            raise ValueError(f"learner.temperature ({self.learner.temperature}) must equal agent_loop.temperature "
+                             f"({self.agent_loop.temperature}): the loss recomputes the sampling log-probs")
+        if "stale_step" in self.learner.model_fields_set and self.learner.stale_step != self.streams.stale_step:
+            raise ValueError(f"learner.stale_step ({self.learner.stale_step}) must equal streams.stale_step "
+                             f"({self.streams.stale_step}): the learner keeps and broadcasts the versions the stale "
+                             f"pool loads (leave learner.stale_step out: it follows streams.stale_step)")
+        if self.mix.val_families and self.max_steps % self.mix.val_interval:
+            raise ValueError(f"max_steps ({self.max_steps}) must be a multiple of mix.val_interval "
+                             f"({self.mix.val_interval}) so the run ends with a validation round")
+        return self
+
+
+def _infra_env() -> dict[str, Any]:
+    """Client settings implied by the infrastructure scripts' variables (and ROLLSTREAM_DATA), when they are set."""
+    env = os.environ
+    out: dict[str, Any] = {}
+    if "KAFKA_HOST" in env or "KAFKA_PORT" in env:
+        out.setdefault("kafka", {})["bootstrap_servers"] = f"{env.get('KAFKA_HOST', '127.0.0.1')}:{env.get('KAFKA_PORT', '9092')}"
+    store: dict[str, Any] = {}
+    if "MINIO_HOST" in env or "MINIO_PORT" in env:
+        store["endpoint"] = f"{env.get('MINIO_HOST', '127.0.0.1')}:{env.get('MINIO_PORT', '9000')}"
+    if "MINIO_ROOT_USER" in env:
+        store["access_key"] = env["MINIO_ROOT_USER"]
+    if "MINIO_ROOT_PASSWORD" in env:
+        store["secret_key"] = env["MINIO_ROOT_PASSWORD"]
+    if store:
+        out["object_store"] = store
+    envs: dict[str, Any] = {}
+    if "ROLLSTREAM_DATA" in env:
+        envs["data_root"] = env["ROLLSTREAM_DATA"]
+    # infra/mariadb.sh's server, for the db family's MySQL backend (used when envs.db_backend is mysql).
+    for variable, field in (("MARIADB_HOST", "db_mysql_host"), ("MARIADB_PORT", "db_mysql_port"),
+                            ("MARIADB_USER", "db_mysql_user"), ("MARIADB_PASSWORD", "db_mysql_password")):
+        if variable in env:
+            envs[field] = env[variable]
+    if envs:
+        out["envs"] = envs
+    return out
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: Path | None = None) -> RollstreamConfig:
+    """Builds the configuration: ROLLSTREAM_ environment variables over the infrastructure
+    scripts' variables over a YAML file over the defaults."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"{path}: the configuration must be a YAML mapping")
+        data = loaded
+    return RollstreamConfig(**_merge(data, _infra_env()))
+
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not plain data")
+
+
+def settings_json(settings: BaseModel, data: dict[str, Any] | None = None) -> str:
+    """`settings` (or its `data`) as JSON that validates back to it, secrets written out, for a child
+    process's settings file (model_dump_json would write them masked, and the child would use the mask)."""
+    return json.dumps(settings.model_dump() if data is None else data, default=_plain, indent=2)
+
+
+def write_config(cfg: RollstreamConfig, path: Path) -> None:
+    """A file that `load_config(path)` reads back to `cfg`, for a child process (`up` making the default
+    policy): secrets are written out, so only the owner may read it."""
+    write_private(path, settings_json(cfg, cfg.as_data()))  # JSON is YAML: load_config reads it
+
+
+def write_private(path: Path, text: str) -> None:
+    """Writes `text` to `path` readable by its owner only (settings files carry secrets)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.chmod(0o600)
+    path.write_text(text)

@@ -1,0 +1,116 @@
+"""What `rollstream up` starts, as plain data: the command line of every process of a run.
+
+Pure: builds argument vectors and the settings files they read from the run configuration, so a
+test can check every one against the real command's parser without starting anything. Settings
+that have no command-line option travel whole, as the component's own settings model in JSON
+(`--settings FILE`), so every field of the configuration reaches its component.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from env_workers.envs.base import EnvSettings
+from env_workers.worker_settings import EnvWorkerSettings
+from pipeline.run.config import RollstreamConfig, settings_json
+from streams.app import COMPONENTS
+
+# The dispatcher stops on its own after this many training groups; a run is stopped by its learner
+# reaching max_steps instead (after which no credit comes back, so nothing more is dispatched).
+UNBOUNDED_GROUPS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class Child:
+    """One process of a run: its name, its command and the files to write before it starts."""
+
+    name: str
+    argv: tuple[str, ...]
+    files: dict[str, str] = field(default_factory=dict)  # path -> content
+    restart_args: tuple[str, ...] = ()
+    """Appended when the process is started again after dying (the learner's --resume)."""
+
+    def restarted(self) -> Child:
+        return Child(self.name, self.argv + self.restart_args, self.files)
+
+
+def rollstream(*args: str) -> tuple[str, ...]:
+    """A `rollstream` subcommand run by this interpreter (no dependence on PATH or the venv's scripts)."""
+    return (sys.executable, "-m", "pipeline.cli", *args)
+
+
+def streams_app_id(run: str) -> str:
+    """One Faust app per run: its own consumer group, internal topics and changelogs."""
+    return f"rollstream-streams.{run}"
+
+
+def streams_child(cfg: RollstreamConfig, run: str, run_dir: Path, web_port: int,
+                  components: tuple[str, ...] = COMPONENTS) -> Child:
+    # The run's app starts at the topics' end: `up` commits that (streams.worker.start_at_end)
+    # before anything is dispatched, so the worker's own start-up time cannot lose a request.
+    settings_path = run_dir / "settings" / "streams.json"
+    return Child("streams", rollstream(
+        "streams", "worker", "--app-id", streams_app_id(run), "--datadir", str(run_dir / "streams"),
+        "--web-port", str(web_port), "--settings", str(settings_path), "--components", ",".join(components),
+        "--run", run),
+        {str(settings_path): settings_json(cfg.streams)})
+
+
+def env_worker_children(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
+                        engine_urls: dict[str, list[str]], env: EnvSettings) -> list[Child]:
+    settings = EnvWorkerSettings(max_concurrency=cfg.env_workers.concurrency, engine_urls=engine_urls,
+                                 agent_loop=cfg.agent_loop, env=env)
+    settings_path = run_dir / "settings" / "env_worker.json"
+    files = {str(settings_path): settings_json(settings)}
+    return [Child(f"env-worker-{i}", rollstream(
+        "env-worker", "--run", run, "--model", str(model_dir), "--settings", str(settings_path),
+        "--worker-id", f"{run}-env-worker-{i}"), files) for i in range(cfg.env_workers.count)]
+
+
+def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
+                  engine_urls: dict[str, list[str]], broadcast_port: int, *, resume: bool = False) -> Child:
+    settings_path = run_dir / "settings" / "learner.json"
+    argv = ["learner", "--run", run, "--model", str(model_dir), "--settings", str(settings_path),
+            "--max-steps", str(cfg.max_steps), "--broadcast-port", str(broadcast_port)]
+    if engine_urls.get("current"):
+        argv += ["--broadcast-current", ",".join(engine_urls["current"])]
+    if engine_urls.get("stale"):
+        argv += ["--broadcast-stale", ",".join(engine_urls["stale"])]
+    if resume:
+        argv.append("--resume")
+    return Child("learner", rollstream(*argv), {str(settings_path): settings_json(cfg.learner_settings())},
+                 restart_args=() if resume else ("--resume",))
+
+
+def dispatcher_child(cfg: RollstreamConfig, run: str, run_dir: Path) -> Child:
+    # The whole configuration: the broker, and the environments' settings that size each split.
+    config_path = run_dir / "settings" / "config.json"
+    mix = cfg.mix
+    argv = ["dispatch", "--run", run, "--config", str(config_path),
+            "--families", ",".join(mix.families), "--max-groups", str(UNBOUNDED_GROUPS),
+            "--group-size", str(cfg.streams.group_size), "--batch-size", str(cfg.streams.batch_size),
+            "--val-interval", str(mix.val_interval), "--val-group-size", str(mix.val_group_size)]
+    if mix.weights:
+        argv += ["--weights", ",".join(f"{k}={v}" for k, v in mix.weights.items())]
+    if mix.max_in_flight_groups is not None:
+        argv += ["--max-in-flight", str(mix.max_in_flight_groups)]
+    if mix.val_families:
+        argv += ["--val-families", ",".join(mix.val_families)]
+        if mix.val_samples is not None:
+            argv += ["--val-samples", str(mix.val_samples) if isinstance(mix.val_samples, int)
+                     else ",".join(f"{k}={v}" for k, v in mix.val_samples.items())]
+    if not mix.val_before_train:
+        argv.append("--no-val-before-train")
+    return Child("dispatcher", rollstream(*argv), {str(config_path): settings_json(cfg, cfg.as_data())})
+
+
+def engine_args(cfg: RollstreamConfig) -> tuple[str, ...]:
+    """Options every engine of the run gets beside its pool, model and port."""
+    return ("--stale-step", str(cfg.streams.stale_step), "--max-model-len", str(cfg.engines.max_model_len))
+
+
+def final_validation_round(cfg: RollstreamConfig) -> int | None:
+    """The validation round the dispatcher sends when the learner reaches max_steps (the 'after')."""
+    return cfg.max_steps // cfg.mix.val_interval if cfg.mix.val_families else None
