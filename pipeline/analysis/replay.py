@@ -28,8 +28,8 @@ import pyarrow.parquet as pq
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 from minio.error import MinioException, S3Error
 
-from pipeline.analysis.replay_logic import (Bound, MissingPayload, ReplayRecord, ReplayStats, UndecodableRecord, arrow_schema,
-                                   flatten, run_of)
+from pipeline.analysis.replay_columns import arrow_schema, flatten
+from pipeline.analysis.replay_records import Bound, MissingPayload, ReplayRecord, ReplayStats, UndecodableRecord, run_of
 from schemas import objectstore, topics
 from schemas.codec import UndecodableEvent, codec
 from schemas.settings import KafkaSettings, ObjectStoreSettings

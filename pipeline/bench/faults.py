@@ -176,7 +176,7 @@ class Injector:
 def run_bench(cfg: RollstreamConfig, run: str, faults: list[str], console: Console) -> dict[str, Any]:
     """The run with its faults, then verify; returns the figures (fault_table) with the run's summary."""
     from pipeline.analysis.replay import Bound, read_run  # noqa: PLC0415
-    from pipeline.analysis.replay_logic import verify
+    from pipeline.analysis.replay_verify import verify
 
     schedule = FaultSchedule(faults, start_version=1, recover_versions=1)
     # Enough learner steps for every fault to go in and be recovered from, with one to spare.

@@ -84,7 +84,7 @@ def _plot(timelines: dict[str, dict[str, Any]], path: Path) -> None:
 
 def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Console) -> dict[str, Any]:
     from pipeline.analysis.replay import Bound, read_run  # noqa: PLC0415
-    from pipeline.analysis.replay_logic import action_tokens
+    from pipeline.analysis.replay_columns import action_tokens
 
     say = timestamped(console)
 

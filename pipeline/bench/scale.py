@@ -205,7 +205,7 @@ def run_scale(*, max_workers: int, concurrency: int, latency: StepLatency, max_t
                 os.killpg(w.pid, signal.SIGKILL)
         stop_process_group(engine.process, 60)
     count.poll(3.0)
-    from pipeline.analysis.replay_logic import VerifySettings, same_content
+    from pipeline.analysis.replay_verify import VerifySettings, same_content
 
     tolerance = VerifySettings().logprob_tolerance
     accounting = account_tasks(feed.published, committed_offsets(cfg.kafka, group), [e for _, e in count.events],

@@ -1,5 +1,5 @@
 """`rollstream replay TOPIC` (decode a topic into Parquet or JSONL) and `rollstream replay verify`
-(re-derive a run's advantages and token invariants from its events, pipeline/analysis/replay_logic.py)."""
+(re-derive a run's advantages and token invariants from its events, pipeline/analysis/replay_verify.py)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,8 @@ from pipeline.analysis.replay import (
     store_fetch,
     write_records,
 )
-from pipeline.analysis.replay_logic import Bound, ReplayStats, VerifyReport, VerifySettings, verify
+from pipeline.analysis.replay_records import Bound, ReplayStats
+from pipeline.analysis.replay_verify import VerifyReport, VerifySettings, verify
 from pipeline.run.config import load_config
 from schemas import topics
 from schemas.settings import KafkaSettings

@@ -19,7 +19,8 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli.replay import app
-from pipeline.analysis.replay_logic import ReplayRecord, columns, flatten
+from pipeline.analysis.replay_columns import columns, flatten
+from pipeline.analysis.replay_records import ReplayRecord
 from schemas import arrays, ids, samples, topics
 from schemas.bus import EventProducer, now_ms
 from streams import aggregation, batching

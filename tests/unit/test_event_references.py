@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from pipeline.bench.streams import trajectory
-from pipeline.analysis.replay_logic import ReplayRecord, verify, with_referred_arrays
+from pipeline.analysis.replay_records import ReplayRecord
+from pipeline.analysis.replay_verify import verify, with_referred_arrays
 from schemas import eventref, topics
 from schemas.codec import codec
 from streams.aggregator_agent import by_reference

@@ -17,17 +17,9 @@ from typer.testing import CliRunner
 
 from pipeline.analysis.replay import write_records
 from pipeline.cli.replay import app
-from pipeline.analysis.replay_logic import (
-    COMMON_COLUMNS,
-    COLUMNS,
-    Bound,
-    ReplayRecord,
-    VerifySettings,
-    arrow_schema,
-    columns,
-    flatten,
-    verify,
-)
+from pipeline.analysis.replay_columns import COMMON_COLUMNS, COLUMNS, arrow_schema, columns, flatten
+from pipeline.analysis.replay_records import Bound, ReplayRecord
+from pipeline.analysis.replay_verify import VerifySettings, verify
 from schemas import arrays, ids, samples, topics
 from streams import aggregation, batching
 from streams.settings import StreamsSettings

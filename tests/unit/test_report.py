@@ -27,7 +27,7 @@ from pipeline.analysis.report import (
 )
 from pipeline.cli.report import app as report_app
 from pipeline.cli.report import events_from_records, print_summary
-from pipeline.analysis.replay_logic import ReplayRecord
+from pipeline.analysis.replay_records import ReplayRecord
 from schemas import arrays, codec, topics
 from schemas.ids import batch_id, group_id, trajectory_id
 
