@@ -79,7 +79,6 @@ from pipeline.bench.rollout_logic import (
     transfer,
     turn_requests,
 )
-from pipeline.bench.streams import TopicReader
 from pipeline.engine.broadcaster import PoolBroadcaster
 from pipeline.engine.launch import EngineProcess, free_port, launch_engine
 from pipeline.engine.updates import EngineControl
@@ -88,6 +87,7 @@ from pipeline.policy.sft import eval_task
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
 from schemas import objectstore, topics
 from schemas.bus import EventConsumer, EventProducer, now_ms
+from schemas.topic_reader import TopicReader
 from streams.routing import RoutingPlan, task_event
 
 MIX = (("calc", "dev"), ("db", "dev"))

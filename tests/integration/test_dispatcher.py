@@ -9,11 +9,12 @@ import time
 import uuid
 
 import pytest
+from helpers.events import weights
+from helpers.topics import TopicReader
 from typer.testing import CliRunner
 
 from pipeline.cli import dispatch as dispatch_cmd
 from pipeline.dispatch import logic
-from pipeline.bench.streams import TopicReader, weights
 from pipeline.dispatch.dispatcher import run_dispatcher
 from schemas import samples, topics
 from schemas.bus import EventProducer, now_ms

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 from confluent_kafka.admin import AdminClient
+from helpers.workers import SyntheticRun, WorkerProcess, feed_windowed
 from minio.commonconfig import ENABLED, Filter
 from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 from test_learner_process import make_batch, make_loop, save_tiny_model, weight_events
@@ -17,7 +18,6 @@ from typer.testing import CliRunner
 from pipeline.cli import infra as infra_cmd
 
 from pipeline.cli import replay as replay_cmd
-from pipeline.bench.streams import BenchRun, WorkerProcess, feed_windowed
 from pipeline.analysis.replay import read_topic, store_fetch
 from schemas import codec as codec_module
 from schemas import objectstore, topics
@@ -40,8 +40,8 @@ def test_batches_above_the_limit_are_stored_in_minio_and_replay_decodes_them(inf
     worker = WorkerProcess(app_id, tmp_path / "data", tmp_path / "worker.log", [
         "--no-web", "--group-size", str(N), "--batch-size", "1", "--first-batch-factor", "1.0",
         "--batch-offload-bytes", str(LIMIT)]).start()
-    r = BenchRun(infra.kafka, f"claim-{uuid.uuid4().hex[:8]}", seed=5, group_size=N, tokens=512,
-                 topic_names=[topics.GROUPS])
+    r = SyntheticRun(infra.kafka, f"claim-{uuid.uuid4().hex[:8]}", seed=5, group_size=N, tokens=512,
+                     topic_names=[topics.GROUPS])
     try:
         feed_windowed(r, 3, window=1, timeout_s=120)
     except Exception as e:

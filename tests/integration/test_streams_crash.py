@@ -8,8 +8,10 @@ import time
 import uuid
 
 import pytest
+from helpers.events import trajectory, weights
+from helpers.topics import TopicReader
+from helpers.workers import WorkerProcess
 
-from pipeline.bench.streams import TopicReader, WorkerProcess, trajectory, weights
 from schemas import topics
 from schemas.bus import EventProducer
 from schemas.codec import codec

@@ -15,8 +15,10 @@ import httpx
 
 import numpy as np
 import pytest
+from helpers.events import trajectory, weights
+from helpers.topics import TopicReader
+from helpers.workers import WorkerProcess
 
-from pipeline.bench.streams import TopicReader, WorkerProcess, trajectory, weights
 from schemas import samples, topics
 from schemas.bus import EventProducer, now_ms
 from schemas.codec import codec

@@ -11,8 +11,8 @@ import uuid
 from collections import Counter
 
 import pytest
+from helpers.workers import SyntheticRun, WorkerProcess, feed_windowed
 
-from pipeline.bench.streams import BenchRun, WorkerProcess, feed_windowed
 from schemas import topics
 from streams.settings import StreamsSettings
 from streams.worker import start_at_end
@@ -30,8 +30,8 @@ def test_every_group_of_a_sustained_stream_is_emitted_and_batched_exactly_once(i
     worker = WorkerProcess(app_id, tmp_path / "data", tmp_path / "worker.log", [
         "--no-web", "--group-size", str(N), "--batch-size", "1",
         "--first-batch-factor", "1.0", "--sweep-interval-s", "0.5"]).start()
-    r = BenchRun(infra.kafka, f"sustained-{uuid.uuid4().hex[:8]}", seed=3, group_size=N, tokens=64,
-                 topic_names=[topics.GROUPS])
+    r = SyntheticRun(infra.kafka, f"sustained-{uuid.uuid4().hex[:8]}", seed=3, group_size=N, tokens=64,
+                     topic_names=[topics.GROUPS])
     try:
         feed_windowed(r, SEQUENTIAL, window=1, timeout_s=120)
         feed_windowed(r, BURST, window=BURST, timeout_s=60, first=SEQUENTIAL)

@@ -10,8 +10,8 @@ import uuid
 import pytest
 from confluent_kafka import OFFSET_BEGINNING, Consumer, TopicPartition
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
+from helpers.events import weights
 
-from pipeline.bench.streams import weights
 from schemas import topics
 from schemas.bus import EventProducer
 from schemas.codec import codec

@@ -4,8 +4,8 @@ trajectory on without its token arrays, and how replay puts them back."""
 from __future__ import annotations
 
 import pytest
+from helpers.events import trajectory
 
-from pipeline.bench.streams import trajectory
 from pipeline.analysis.replay_records import ReplayRecord
 from pipeline.analysis.replay_verify import verify, with_referred_arrays
 from schemas import eventref, topics

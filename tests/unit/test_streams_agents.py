@@ -11,12 +11,12 @@ import faust
 import numpy as np
 import pytest
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
+from helpers.events import trajectory, weights
 from typer.testing import CliRunner
 
 from pipeline.cli import dispatch as dispatch_cmd
 
 from pipeline.cli import streams as streams_cmd
-from pipeline.bench.streams import trajectory, weights
 from schemas import objectstore, samples, topics
 from schemas.codec import codec
 from schemas.settings import KafkaSettings, ObjectStoreSettings
