@@ -3,6 +3,10 @@
 `make test` starts them before pytest (infra/with-infra.sh); when pytest is run by hand and they
 are not up, the `infra` fixture starts them with the project's own scripts and stops them at the
 end of the session. Nothing is mocked and nothing is skipped.
+
+Every test under tests/integration carries the `integration` marker, whether or not its file says
+so (a new file cannot forget it): `pytest -m "not integration"` and `pytest tests/unit` run
+with no service at all.
 """
 
 from __future__ import annotations
@@ -15,6 +19,15 @@ import pytest
 from pipeline.run.config import RollstreamConfig, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+INTEGRATION = REPO_ROOT / "tests" / "integration"
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Marks every test collected from tests/integration `integration`."""
+    for item in items:
+        if item.path.is_relative_to(INTEGRATION):
+            item.add_marker(pytest.mark.integration)
 
 
 def _running(script: str) -> bool:

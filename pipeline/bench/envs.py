@@ -20,44 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import json
-import statistics
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from env_workers.envs import registry
 from env_workers.envs.base import Environment, EnvSettings
+from pipeline.bench.envs_logic import FAMILY_SPLITS, labels, measure, percentile, summary, timed
 from pipeline.run.config import load_config
 
-# family -> the split its samples come from (the smallest shipped one)
-FAMILY_SPLITS = {"calc": "dev", "db": "dev", "kg": "dev", "webshop": "generated-dev", "alfworld": "dev", "os": "test"}
-OS_BACKENDS = ("docker", "bwrap")
 BARE_COMMAND = "/bin/true"
 
 app = typer.Typer(help="Environment session start cost against a bare process start.")
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    return float(np.percentile(np.asarray(values), q)) if values else float("nan")
-
-
-async def _timed(n: int, concurrency: int, one: Callable[[int], Awaitable[float]]) -> tuple[list[float], float]:
-    """Runs `one(i)` for i < n, `concurrency` at a time: the per-call figures and the wall time in seconds."""
-    gate = asyncio.Semaphore(concurrency)
-
-    async def gated(i: int) -> float:
-        async with gate:
-            return await one(i)
-
-    start = time.perf_counter()
-    figures = await asyncio.gather(*(gated(i) for i in range(n)))
-    return list(figures), time.perf_counter() - start
 
 
 async def bare_process(n: int, concurrency: int) -> dict[str, Any]:
@@ -69,33 +48,10 @@ async def bare_process(n: int, concurrency: int) -> dict[str, Any]:
         await process.wait()
         return (time.perf_counter() - start) * 1000
 
-    latencies, _ = await _timed(n, 1, one)
-    _, wall = await _timed(n, concurrency, one)
+    latencies, _ = await timed(n, 1, one)
+    _, wall = await timed(n, concurrency, one)
     return {"command": BARE_COMMAND, "runs": n, "p50_ms": percentile(latencies, 50),
             "p99_ms": percentile(latencies, 99), "per_s": n / wall}
-
-
-async def family_sessions(env: Environment, samples: Sequence[dict[str, Any]], n: int,
-                          concurrency: int) -> dict[str, Any]:
-    """Session start latency (ms) one at a time and sessions/s (start + end) with `concurrency` in flight."""
-
-    async def start_only(i: int) -> float:
-        start = time.perf_counter()
-        session = await env.start(samples[i % len(samples)])
-        elapsed = (time.perf_counter() - start) * 1000
-        await env.end(session)
-        return elapsed
-
-    async def start_and_end(i: int) -> float:
-        session = await env.start(samples[i % len(samples)])
-        await env.end(session)
-        return 0.0
-
-    first = await start_only(0)
-    latencies, _ = await _timed(n, 1, start_only)
-    _, wall = await _timed(n, concurrency, start_and_end)
-    return {"measured": True, "sessions": n, "first_start_ms": first, "p50_ms": percentile(latencies, 50),
-            "p99_ms": percentile(latencies, 99), "sessions_per_s": n / wall}
 
 
 def _os_environment(backend: str, settings: EnvSettings) -> Environment:
@@ -111,28 +67,17 @@ def _os_environment(backend: str, settings: EnvSettings) -> Environment:
     return os_env.make(settings, SandboxSettings(backend=backend))
 
 
-def targets(families: Sequence[str]) -> list[tuple[str, str, Callable[[EnvSettings], Environment]]]:
-    """(label, family, environment factory) for each measurement: os once per sandbox backend."""
-    out: list[tuple[str, str, Callable[[EnvSettings], Environment]]] = []
-    for name in families:
-        if name == "os":
-            out += [(f"os/{b}", "os", lambda s, b=b: _os_environment(b, s)) for b in OS_BACKENDS]
-        else:
-            out.append((name, name, lambda s, name=name: registry.environment(name, s)))
-    return out
+def opener(family: str, backend: str | None,
+           settings: EnvSettings) -> Callable[[], tuple[Environment, Sequence[Mapping[str, Any]]]]:
+    """What opens one measurement's family: its split's samples, then its environment (on `backend`
+    for os)."""
 
-
-async def measure(label: str, family: str, factory: Callable[[EnvSettings], Environment], settings: EnvSettings,
-                  n: int, concurrency: int, timeout_s: float) -> dict[str, Any]:
-    """One family's figures, or {measured: false, reason} when it cannot run here."""
-    try:
+    def open_family() -> tuple[Environment, Sequence[Mapping[str, Any]]]:
         samples = registry.samples(family, FAMILY_SPLITS[family], settings)
-        env = factory(settings)
-        return await asyncio.wait_for(family_sessions(env, samples, n, concurrency), timeout_s)
-    except TimeoutError:
-        return {"measured": False, "reason": f"did not finish within {timeout_s:g} s"}
-    except Exception as error:  # a missing module, sandbox or data: reported, not raised
-        return {"measured": False, "reason": f"{type(error).__name__}: {error}"}
+        env = _os_environment(backend, settings) if backend is not None else registry.environment(family, settings)
+        return env, samples
+
+    return open_family
 
 
 async def run_bench(families: Sequence[str], settings: EnvSettings, n: int, concurrency: int, timeout_s: float,
@@ -141,13 +86,10 @@ async def run_bench(families: Sequence[str], settings: EnvSettings, n: int, conc
     on_step("bare process")
     bare = await bare_process(max(n, 20), concurrency)
     results: dict[str, dict[str, Any]] = {}
-    for label, family, factory in targets(families):
+    for label, family, backend in labels(families):
         on_step(label)
-        results[label] = await measure(label, family, factory, settings, n, concurrency, timeout_s)
-    measured = [r["p50_ms"] for r in results.values() if r["measured"]]
-    median = statistics.median(measured) if measured else None
-    return {"bare_process": bare, "families": results, "median_family_p50_ms": median,
-            "ratio": median / bare["p50_ms"] if measured else None}
+        results[label] = await measure(opener(family, backend, settings), n, concurrency, timeout_s)
+    return summary(bare, results)
 
 
 def _print_table(report: dict[str, Any]) -> None:

@@ -32,6 +32,7 @@ from rich.table import Table
 from env_workers.latency import StepLatency
 from env_workers.settings import AgentLoopSettings
 from env_workers.worker_settings import EnvWorkerSettings
+from pipeline.analysis.replay_verify import VerifySettings, same_content
 from pipeline.bench.faults import ensure_random_policy
 from pipeline.bench.scale_logic import account_tasks, scale_figures, window_rate
 from pipeline.dispatch.logic import Slot, requests_for
@@ -135,6 +136,61 @@ def _plot(curve: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _feed_for(count: TrajectoryCount, feed: TaskFeed, seconds: float) -> None:
+    """Reads trajectories and keeps the task backlog topped up for `seconds`."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        count.poll(1.0)
+        feed.top_up(count.distinct)
+
+
+def _start_env_worker(k: int, run: str, model: Path, settings_path: Path, logs: Path) -> subprocess.Popen:
+    log = open(logs / f"env-worker-{k}.log", "wb")
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "env-worker", "--run", run, "--model", str(model),
+         "--settings", str(settings_path), "--worker-id", f"{run}-w{k}"],
+        cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_settled(workers: list[subprocess.Popen], admin: AdminClient, group: str, count: TrajectoryCount,
+                  feed: TaskFeed, logs: Path) -> list[int]:
+    """Feeds until the group is stable with every worker holding partitions (up to 180 s); the
+    partitions each holds."""
+    deadline = time.monotonic() + 180
+    while True:
+        count.poll(1.0)
+        feed.top_up(count.distinct)
+        if any(w.poll() is not None for w in workers):
+            raise RuntimeError(f"an env worker exited: see {logs}")
+        state, held = group_members(admin, group)
+        if state == "STABLE" and len(held) == len(workers) and all(held):
+            return held
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the group did not settle with {len(workers)} workers ({state}, {held})")
+
+
+def _measure_window(count: TrajectoryCount, feed: TaskFeed, settle_s: float, window_s: float) -> float:
+    """Trajectories/s over `window_s` after `settle_s` of feeding."""
+    _feed_for(count, feed, settle_s)
+    start_ms = int(time.time() * 1000)
+    _feed_for(count, feed, window_s)
+    end_ms = int(time.time() * 1000)
+    count.poll(2.0)  # events stamped inside the window that were still on their way
+    return window_rate((t for t, _ in count.events), start_ms, end_ms)
+
+
+def _stop_workers(workers: list[subprocess.Popen]) -> None:
+    """SIGTERM to every worker (they drain and commit), SIGKILL to one still running after 180 s."""
+    for w in workers:
+        if w.poll() is None:
+            w.send_signal(signal.SIGTERM)
+    for w in workers:
+        try:
+            w.wait(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(w.pid, signal.SIGKILL)
+
+
 def run_scale(*, max_workers: int, concurrency: int, latency: StepLatency, max_turns: int, window_s: float,
               settle_s: float, out_dir: Path, run: str, console: Console) -> dict[str, Any]:
     say = timestamped(console)
@@ -164,49 +220,15 @@ def run_scale(*, max_workers: int, concurrency: int, latency: StepLatency, max_t
             f"sigma {latency.sigma}; {concurrency} rollouts per worker")
         feed.top_up(0)
         for k in range(1, max_workers + 1):
-            log = open(logs / f"env-worker-{k}.log", "wb")
-            workers.append(subprocess.Popen(
-                [sys.executable, "-m", "pipeline.cli", "env-worker", "--run", run, "--model", str(model),
-                 "--settings", str(settings_path), "--worker-id", f"{run}-w{k}"],
-                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-            deadline = time.monotonic() + 180
-            while True:
-                count.poll(1.0)
-                feed.top_up(count.distinct)
-                if any(w.poll() is not None for w in workers):
-                    raise RuntimeError(f"an env worker exited: see {logs}")
-                state, held = group_members(admin, group)
-                if state == "STABLE" and len(held) == k and all(held):
-                    break
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the group did not settle with {k} workers ({state}, {held})")
+            workers.append(_start_env_worker(k, run, model, settings_path, logs))
+            held = _wait_settled(workers, admin, group, count, feed, logs)
             say(f"{k} worker(s): group stable, partitions {sorted(held, reverse=True)}; measuring")
-            end_settle = time.monotonic() + settle_s
-            while time.monotonic() < end_settle:
-                count.poll(1.0)
-                feed.top_up(count.distinct)
-            start_ms = int(time.time() * 1000)
-            end = time.monotonic() + window_s
-            while time.monotonic() < end:
-                count.poll(1.0)
-                feed.top_up(count.distinct)
-            end_ms = int(time.time() * 1000)
-            count.poll(2.0)  # events stamped inside the window that were still on their way
-            rates.append(window_rate((t for t, _ in count.events), start_ms, end_ms))
+            rates.append(_measure_window(count, feed, settle_s, window_s))
             say(f"{k} worker(s): {rates[-1]:.2f} trajectories/s")
     finally:
-        for w in workers:
-            if w.poll() is None:
-                w.send_signal(signal.SIGTERM)
-        for w in workers:
-            try:
-                w.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                os.killpg(w.pid, signal.SIGKILL)
+        _stop_workers(workers)
         stop_process_group(engine.process, 60)
     count.poll(3.0)
-    from pipeline.analysis.replay_verify import VerifySettings, same_content
-
     tolerance = VerifySettings().logprob_tolerance
     accounting = account_tasks(feed.published, committed_offsets(cfg.kafka, group), [e for _, e in count.events],
                                lambda a, b: same_content(a, b, tolerance))

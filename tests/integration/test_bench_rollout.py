@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from pipeline.bench.rollout import bench_rollout
+from pipeline.cli import app
 from pipeline.policy.model_init import PolicyModelSettings, init_model
 
 pytestmark = pytest.mark.integration
@@ -18,17 +17,11 @@ TINY = PolicyModelSettings(hidden_size=128, num_layers=2, num_heads=2, num_kv_he
                            vocab_size=256)
 
 
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    app.command()(bench_rollout)
-    return app
-
-
 def test_bench_rollout_publishes_every_turn_and_trajectory_and_updates_the_engine_by_both_paths(infra, tmp_path):
     model_dir = tmp_path / "policy"
     init_model(TINY, model_dir)
-    result = CliRunner().invoke(_app(), ["--model", str(model_dir), "--trajectories", "4", "--concurrency", "4",
-                                         "--max-new-tokens", "16", "--json"])
+    result = CliRunner().invoke(app, ["bench", "rollout", "--model", str(model_dir), "--trajectories", "4",
+                                     "--concurrency", "4", "--max-new-tokens", "16", "--json"])
     assert result.exit_code == 0, f"{result.output[-3000:]}\n{result.exception!s}"
     report = json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -56,7 +49,7 @@ def test_bench_rollout_publishes_every_turn_and_trajectory_and_updates_the_engin
 
 
 def test_bench_rollout_refuses_a_non_positive_count_in_one_line():
-    result = CliRunner().invoke(_app(), ["--trajectories", "0"])
+    result = CliRunner().invoke(app, ["bench", "rollout", "--trajectories", "0"])
     assert result.exit_code == 2
     assert result.output.strip() == ("rollstream bench rollout: --trajectories, --concurrency and --max-new-tokens "
                                      "must be positive")

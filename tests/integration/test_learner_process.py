@@ -172,14 +172,11 @@ def test_learner_command_refuses_a_directory_without_a_model_in_one_line(tmp_pat
 
 
 def test_bench_learner_refuses_an_empty_batch_in_one_line():
-    import typer
     from typer.testing import CliRunner
 
-    from pipeline.bench.learner import bench_learner
+    from pipeline.cli import app
 
-    app = typer.Typer()
-    app.command()(bench_learner)
-    result = CliRunner().invoke(app, ["--sequences", "0"])
+    result = CliRunner().invoke(app, ["bench", "learner", "--sequences", "0"])
     assert result.exit_code == 1
     assert result.output.strip() == "rollstream bench learner: --sequences and --repeats must be >= 1"
 

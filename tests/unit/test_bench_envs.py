@@ -10,14 +10,15 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from env_workers.envs.base import EnvSettings, Environment, Opened, Outcome, Session, ToolCall
-from pipeline.bench import envs as bench_envs
+from env_workers.envs.base import Environment, Opened, Outcome, Session, ToolCall
+from pipeline.bench import envs_logic
+from pipeline.cli import app
 
 RUNNER = CliRunner()
 
 
 def test_json_reports_each_family_beside_the_bare_process_and_their_ratio() -> None:
-    result = RUNNER.invoke(bench_envs.app, ["--families", "calc,webshop", "--sessions", "3", "--json"])
+    result = RUNNER.invoke(app, ["bench", "envs", "--families", "calc,webshop", "--sessions", "3", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert set(report) == {"bare_process", "families", "median_family_p50_ms", "ratio"}
@@ -33,19 +34,19 @@ def test_json_reports_each_family_beside_the_bare_process_and_their_ratio() -> N
 
 
 def test_table_is_the_default_output() -> None:
-    result = RUNNER.invoke(bench_envs.app, ["--families", "calc", "--sessions", "2"])
+    result = RUNNER.invoke(app, ["bench", "envs", "--families", "calc", "--sessions", "2"])
     assert result.exit_code == 0
     assert "bare /bin/true" in result.output and "calc" in result.output and "ratio" in result.output
 
 
 def test_unknown_family_is_one_line_and_a_nonzero_exit() -> None:
-    result = RUNNER.invoke(bench_envs.app, ["--families", "calc,chess"])
+    result = RUNNER.invoke(app, ["bench", "envs", "--families", "calc,chess"])
     assert result.exit_code == 2 and "unknown families ['chess']" in result.output
     assert len(result.output.strip().splitlines()) == 1
 
 
 def test_os_is_measured_once_per_sandbox_backend() -> None:
-    assert [label for label, _, _ in bench_envs.targets(["calc", "os"])] == ["calc", "os/docker", "os/bwrap"]
+    assert [label for label, _, _ in envs_logic.labels(["calc", "os"])] == ["calc", "os/docker", "os/bwrap"]
 
 
 class _SlowEnvironment(Environment):
@@ -59,14 +60,13 @@ class _SlowEnvironment(Environment):
         raise AssertionError("not called")
 
 
-def _missing(settings: EnvSettings) -> Environment:
+def _missing() -> tuple[Environment, list[dict[str, Any]]]:
     raise ModuleNotFoundError("No module named 'env_workers.envs.os_env'")
 
 
 def test_a_family_that_cannot_start_or_takes_too_long_is_reported_not_measured() -> None:
-    settings = EnvSettings()
-    missing = asyncio.run(bench_envs.measure("os/bwrap", "os", _missing, settings, 2, 1, 10.0))
+    missing = asyncio.run(envs_logic.measure(_missing, 2, 1, 10.0))
     assert missing == {"measured": False,
                        "reason": "ModuleNotFoundError: No module named 'env_workers.envs.os_env'"}
-    slow = asyncio.run(bench_envs.measure("calc", "calc", lambda s: _SlowEnvironment(1), settings, 2, 1, 0.2))
+    slow = asyncio.run(envs_logic.measure(lambda: (_SlowEnvironment(1), [{"id": 0}]), 2, 1, 0.2))
     assert slow == {"measured": False, "reason": "did not finish within 0.2 s"}
