@@ -1,23 +1,32 @@
-"""`rollstream bench pipeline`: the same workload trained twice in one invocation on the real stack,
-synchronously and asynchronously, side by side.
+"""`rollstream bench pipeline`: the same workload trained synchronously and asynchronously in one
+invocation on the real stack, side by side, against the bound perfect overlap of its stages would reach.
 
-1. **synchronous** — the standard RLVR loop: the dispatcher lets out one batch of groups, waits for
+1. **rollout alone** — fresh engines, the learner held stopped (SIGSTOP) from its start until enough
+   batches are cut, every group the measurement needs let out at once: the stage's rate with the
+   learner idle, at least as many rollouts at a time as the asynchronous mode keeps in flight;
+2. **synchronous** — the standard RLVR loop: the dispatcher lets out one batch of groups, waits for
    the slowest trajectory, the learner trains and broadcasts, and only then is the next batch let
    out (`mix.max_in_flight_groups` = one batch; every engine in the current pool, staleness 0);
-2. **asynchronous** — the normal pipeline: two batches in flight, a current and a stale engine
+   its training phases, with the engines idle, give the learner's rate alone;
+3. **asynchronous** — the normal pipeline: two batches in flight, a current and a stale engine
    (the same number of engines), rollouts going on while the learner trains.
+
+Each run starts its own engines, so each is measured warm: the modes after `--warmup-steps` learner
+steps, the rollout run after the cuts that end the rollouts begun on cold engines (the method is
+in pipeline/bench/pipeline_logic.py, which computes every figure from the runs' replayed events).
 
 The workload (configs/pipeline.yaml): calculator and DB tasks on a small random policy, turn counts
 from 1 to max_turns as the policy ends them, and a log-normal environment step latency
 (`agent_loop.step_latency`, median 1 s, sigma 1: p99 near 10 s), the heavy tail AgentRL and ROLL
-measure in agentic environments. Figures come from each run's replayed events
-(pipeline/bench/pipeline_logic.py); the synchronous run, whose phases never overlap, also gives
-each stage's rate alone and so the bound perfect overlap would reach.
+measure in agentic environments.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -28,34 +37,83 @@ from rich.table import Table
 
 from pipeline.bench.faults import ensure_random_policy
 from pipeline.bench.pipeline_logic import (
+    bound,
     comparison,
     engine_intervals,
+    learner_alone,
     learner_intervals,
     merged,
     mode_figures,
-    stages_alone,
+    rollout_alone,
 )
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
-from pipeline.run.up import RunFailed, run_up, timestamped
+from pipeline.run.up import RunFailed, Stack, run_up, timestamped
 from schemas import topics
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pipeline.yaml"
 MODES = ("sync", "async")
+ALONE = "rollout"
 READ = (topics.TASKS_REQUESTED, topics.STEPS, topics.BATCHES, topics.WEIGHTS, topics.METRICS)
+BATCH_POLL_S = 3.0
+HOLD_LIMIT_S = 900.0
+"""The longest the rollout run holds its learner stopped; then it is let go and the rate comes from
+the batches cut so far (or there is none)."""
 
 
-def mode_config(base: RollstreamConfig, mode: str, steps: int) -> RollstreamConfig:
-    """The run of one mode: the same workload and engine count, the pipeline's shape apart."""
+def rollout_skip(cfg: RollstreamConfig) -> int:
+    """Cuts that end the rollout run's warm-up: every rollout slot's first trajectory (begun on cold
+    engines) is done by then, and as many again stay queued behind the measured batches."""
+    slots = cfg.env_workers.count * cfg.env_workers.concurrency
+    return math.ceil(slots / (cfg.streams.batch_size * cfg.streams.group_size)) + 1
+
+
+def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int) -> RollstreamConfig:
+    """The run of one mode: the same workload and engine count, the pipeline's shape apart. The rollout
+    run lets out the groups of all its batches at once and trains one step after its hold."""
     data = base.as_data()
     engines = base.engines.current + base.engines.stale
-    data["max_steps"] = steps
+    data["max_steps"] = warmup_steps + steps
     data["mix"] = {**data["mix"], "val_families": [], "val_interval": 1}
     if mode == "sync":
         data["engines"] = {**data["engines"], "current": engines, "stale": 0}
         data["mix"]["max_in_flight_groups"] = base.streams.batch_size
+    elif mode == ALONE:
+        data["max_steps"] = 1
+        data["mix"]["max_in_flight_groups"] = (2 * rollout_skip(base) + steps) * base.streams.batch_size
     else:
         data["mix"]["max_in_flight_groups"] = None  # the dispatcher's default: two batches
     return RollstreamConfig(**data)
+
+
+class LearnerHold:
+    """Holds the rollout run's learner stopped from its first version until `batches` batches of the
+    run are cut (or HOLD_LIMIT_S passed): the rollouts run with the learner idle."""
+
+    def __init__(self, cfg: RollstreamConfig, run: str, batches: int, say: Any) -> None:
+        self.cfg, self.run, self.batches, self.say = cfg, run, batches, say
+        self.since_ms = int(time.time() * 1000) - 5000
+        self.state, self._stopped_at, self._last_poll = "starting", 0.0, 0.0
+
+    def tick(self, stack: Stack, snap: dict[str, Any]) -> None:
+        if self.state == "released" or time.monotonic() - self._last_poll < BATCH_POLL_S:
+            return
+        self._last_poll = time.monotonic()
+        learner = next(c for c in stack.children if c.child.name == "learner")
+        if self.state == "starting" and self._count(topics.WEIGHTS) > 0:
+            os.killpg(learner.process.pid, signal.SIGSTOP)
+            self.state, self._stopped_at = "held", time.monotonic()
+            self.say(f"rollout: learner held after version 0 until {self.batches} batches are cut")
+        elif self.state == "held":
+            cut = self._count(topics.BATCHES)
+            if cut >= self.batches or time.monotonic() - self._stopped_at > HOLD_LIMIT_S:
+                os.killpg(learner.process.pid, signal.SIGCONT)
+                self.state = "released"
+                self.say(f"rollout: {cut} batches cut in {time.monotonic() - self._stopped_at:.0f} s; learner let go")
+
+    def _count(self, topic: str) -> int:
+        from pipeline.analysis.replay import Bound, read_topic  # noqa: PLC0415
+
+        return sum(1 for _ in read_topic(self.cfg.kafka, topic, run=self.run, start=Bound(timestamp_ms=self.since_ms)))
 
 
 def _plot(timelines: dict[str, dict[str, Any]], path: Path) -> None:
@@ -82,48 +140,67 @@ def _plot(timelines: dict[str, dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Console) -> dict[str, Any]:
+def _events(cfg: RollstreamConfig, mode_cfg: RollstreamConfig, mode_run: str, mode: str, console: Console,
+            on_tick: Any = None) -> dict[str, list[dict[str, Any]]]:
+    """One run to its end, and its replayed events by topic."""
     from pipeline.analysis.replay import Bound, read_run  # noqa: PLC0415
-    from pipeline.analysis.replay_columns import action_tokens
+
+    summary = run_up(mode_cfg, mode_run, console=console, live=False, on_tick=on_tick)
+    if summary["outcome"] != "finished":
+        raise RunFailed(f"the {mode} run ended {summary['outcome']}")
+    records = read_run(cfg.kafka, mode_run, READ, start=Bound.parse(summary["started_at"]))
+    return {t: [r.value for r in recs] for t, recs in records.items()}
+
+
+def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Console,
+                       warmup_steps: int = 1) -> dict[str, Any]:
+    from pipeline.analysis.replay_columns import action_tokens  # noqa: PLC0415
 
     say = timestamped(console)
+    skip = rollout_skip(cfg)
+    alone_cfg = mode_config(cfg, ALONE, steps, warmup_steps)
+    say(f"{ALONE}: run {run}-{ALONE}, learner held, {alone_cfg.mix.max_in_flight_groups} groups let out at once; "
+        f"{skip} batches of warm-up, {steps} measured")
+    hold = LearnerHold(cfg, f"{run}-{ALONE}", 2 * skip + steps, say)
+    events = _events(cfg, alone_cfg, f"{run}-{ALONE}", ALONE, console, hold.tick)
+    rollout = rollout_alone(batches=events[topics.BATCHES], action_tokens=action_tokens, skip=skip, measured=steps)
+    say(f"{ALONE}: {rollout['rollout_tokens_per_s']:.1f} trained tokens/s alone over {rollout['rollout_window_s']:.0f} s")
 
     figures: dict[str, dict[str, Any]] = {}
     timelines: dict[str, dict[str, Any]] = {}
-    alone: dict[str, float] = {}
+    learner: dict[str, float] = {}
     for mode in MODES:
-        mode_cfg = mode_config(cfg, mode, steps)
-        mode_run = f"{run}-{mode}"
-        say(f"{mode}: run {mode_run}, {steps} learner steps, engines current {mode_cfg.engines.current} "
-            f"stale {mode_cfg.engines.stale}, at most {mode_cfg.mix.max_in_flight_groups or 'two batches of'} "
-            f"groups in flight")
-        summary = run_up(mode_cfg, mode_run, console=console, live=False)
-        if summary["outcome"] != "finished":
-            raise RunFailed(f"the {mode} run ended {summary['outcome']}")
-        records = read_run(cfg.kafka, mode_run, READ, start=Bound.parse(summary["started_at"]))
-        events = {t: [r.value for r in recs] for t, recs in records.items()}
-        kwargs = dict(requested=[r for r in events[topics.TASKS_REQUESTED] if not r["validation"]],
-                      batches=events[topics.BATCHES], weights=events[topics.WEIGHTS], metrics=events[topics.METRICS],
-                      action_tokens=action_tokens)
-        figures[mode] = mode_figures(steps=events[topics.STEPS], **kwargs)
+        mode_cfg = mode_config(cfg, mode, steps, warmup_steps)
+        say(f"{mode}: run {run}-{mode}, {warmup_steps} + {steps} learner steps, engines current "
+            f"{mode_cfg.engines.current} stale {mode_cfg.engines.stale}, at most "
+            f"{mode_cfg.mix.max_in_flight_groups or 'two batches of'} groups in flight")
+        events = _events(cfg, mode_cfg, f"{run}-{mode}", mode, console)
+        kwargs = dict(batches=events[topics.BATCHES], weights=events[topics.WEIGHTS], metrics=events[topics.METRICS],
+                      action_tokens=action_tokens, warmup_steps=warmup_steps)
+        figures[mode] = mode_figures(requested=[r for r in events[topics.TASKS_REQUESTED] if not r["validation"]],
+                                     steps=events[topics.STEPS], **kwargs)
         if mode == "sync":
-            alone = stages_alone(**kwargs)
+            learner = learner_alone(**kwargs)
         timelines[mode] = {"start_ms": figures[mode]["start_ms"], "end_ms": figures[mode]["end_ms"],
                            "engines": engine_intervals(events[topics.STEPS]),
                            "learner": list(learner_intervals(events[topics.METRICS]).values())}
-        say(f"{mode}: {figures[mode]['trained_tokens_per_s']:.1f} trained tokens/s over {figures[mode]['wall_s']:.0f} s")
+        say(f"{mode}: {figures[mode]['trained_tokens_per_s']:.1f} trained tokens/s over {figures[mode]['wall_s']:.0f} s "
+            f"after the warm-up")
+    alone = bound(rollout, learner)
     out_dir = cfg.run_dir(run)
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(timelines, out_dir / "timeline.png")
     return {"run": run, **comparison(figures["sync"], figures["async"], alone), "modes": figures,
             "stages_alone": alone, "figure": str(out_dir / "timeline.png"),
-            "workload": {"steps": steps, "families": cfg.mix.families, "group_size": cfg.streams.group_size,
-                         "batch_size": cfg.streams.batch_size, "max_turns": cfg.agent_loop.max_turns,
-                         "step_latency": cfg.agent_loop.step_latency.model_dump()}}
+            "workload": {"steps": steps, "warmup_steps": warmup_steps, "families": cfg.mix.families,
+                         "group_size": cfg.streams.group_size, "batch_size": cfg.streams.batch_size,
+                         "max_turns": cfg.agent_loop.max_turns, "step_latency": cfg.agent_loop.step_latency.model_dump()}}
 
 
 def print_result(result: dict[str, Any], console: Console) -> None:
-    table = Table(title=f"bench pipeline — run {result['run']} ({result['workload']['steps']} learner steps per mode)")
+    w = result["workload"]
+    table = Table(title=f"bench pipeline — run {result['run']} ({w['steps']} measured learner steps per mode, "
+                        f"after {w['warmup_steps']} of warm-up)")
     table.add_column("figure")
     for mode in MODES:
         table.add_column(mode, justify="right")
@@ -134,22 +211,26 @@ def print_result(result: dict[str, Any], console: Console) -> None:
         table.add_row(label, *(fmt.format(result["modes"][m][key]) for m in MODES))
     console.print(table)
     alone = result["stages_alone"]
-    console.print(f"stages alone (from the synchronous run): rollout {alone['rollout_tokens_per_s']:.1f}, "
-                  f"learner {alone['learner_tokens_per_s']:.1f} trained tokens/s; bound "
+    console.print(f"stages alone: rollout {alone['rollout_tokens_per_s']:.1f} (learner held), learner "
+                  f"{alone['learner_tokens_per_s']:.1f} (synchronous steps) trained tokens/s; bound "
                   f"{alone['bound_tokens_per_s']:.1f}")
     ratio, of_bound = result["ratio"], result["of_bound"]
-    console.print(f"async / sync: {ratio:.2f}x; async / bound: {of_bound:.0%}; timeline {result['figure']}"
+    console.print(f"async / sync: {ratio:.2f}x; async / bound: {of_bound:.0%} in tokens, "
+                  f"{result['of_bound_trajectories']:.0%} in trajectories; timeline {result['figure']}"
                   if ratio is not None and of_bound is not None else "no ratio: a mode trained nothing")
 
 
 def bench_pipeline(
     config: Path = typer.Option(DEFAULT_CONFIG, "--config", help="The workload (default: configs/pipeline.yaml)."),
-    steps: int = typer.Option(8, "--steps", min=2, help="Learner steps per mode."),
+    steps: int = typer.Option(8, "--steps", min=1, help="Measured learner steps per mode."),
+    warmup_steps: int = typer.Option(1, "--warmup-steps", min=1, help="Learner steps per mode before its "
+                                     "measured window (fresh engines compile and warm their caches)."),
     run: str = typer.Option("", "--run", help="Run id prefix (default: pipeline-<time>); the modes add -sync, -async."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (ratio: async / sync)."),
 ) -> None:
-    """Train the same workload synchronously, then asynchronously; print each mode's throughput, busy
-    fractions and staleness, the ratio, and the share of the bound set by the slower stage alone.
+    """Measure the rollout stage alone, then train the same workload synchronously and asynchronously;
+    print each mode's warm throughput, busy fractions and staleness, the ratio, and the share of the
+    bound set by the slower stage alone.
 
     Example: rollstream bench pipeline --steps 8 --json
     """
@@ -161,7 +242,8 @@ def bench_pipeline(
     ensure_random_policy(cfg.policy_dir())
     console = Console(stderr=True)
     try:
-        result = run_pipeline_bench(cfg, steps, run or time.strftime("pipeline-%Y%m%d-%H%M%S"), console)
+        result = run_pipeline_bench(cfg, steps, run or time.strftime("pipeline-%Y%m%d-%H%M%S"), console,
+                                    warmup_steps)
     except (RunFailed, ValueError) as error:
         console.print(f"[red]rollstream bench pipeline: {error}[/red]")
         raise typer.Exit(code=1) from None

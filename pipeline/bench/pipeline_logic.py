@@ -1,15 +1,36 @@
-"""`rollstream bench pipeline`, the pure part: the figures of one mode's run, from its replayed events.
+"""`rollstream bench pipeline`, the pure part: the figures of one mode's run, from its replayed events,
+and the bound perfect overlap of the stages would reach.
 
-- wall: from the first dispatched task to the last version the learner published;
-- trained tokens/s: action tokens of every trained batch item / wall; trajectories/s likewise;
+Warm windows. Every run starts fresh engines, whose first requests pay compilation and cold caches,
+and the learner's first step pays its own warm-up. So each mode trains `warmup_steps` steps first,
+not measured, and its window runs from the publication of the last warm-up version to the last
+version; its figures count the batches trained into the versions after the warm-up:
+
+- wall: the window;
+- trained tokens/s: action tokens of those batches' items / wall; trajectories/s likewise;
 - engine busy: per engine, the union of its generation intervals (steps: started_at_ms +
-  generate_ms) over the wall, averaged over the engines;
-- learner busy: the learner's step intervals (its metrics: ref + actor + publish seconds, ending at
-  the metric's time) over the wall;
-- staleness: per trained turn, (version trained into - 1) - the turn's weight version;
-- stages alone: in the synchronous mode the phases do not overlap, so each is measured alone there:
-  rollout = a batch's action tokens / (its batch cut - its first dispatch), learner = its action
-  tokens / its step's busy seconds. Perfect overlap would run at the slower stage's rate: the bound.
+  generate_ms) within the window over the wall, averaged over the engines;
+- learner busy: the measured steps' intervals (its metrics: ref + actor + publish seconds, ending
+  at the metric's time) over the wall;
+- staleness: per trained turn, (version trained into - 1) - the turn's weight version.
+
+The bound. Asynchrony can at best overlap the two stages perfectly; the pipeline then runs at the
+slower stage's rate, so bound = min(rollout rate alone, learner rate alone), each measured alone
+and warm:
+
+- learner alone: the synchronous run's measured steps (the engines are idle while it trains):
+  their trained tokens (trajectories) / their busy seconds;
+- rollout alone: a run of its own on fresh engines with the learner held idle, every group it will
+  need let out at once (so as many rollouts run at a time as the env workers take, at least what
+  the asynchronous mode keeps in flight). Batches are cut in order; the first `skip` cuts are the
+  warm-up (the rollouts begun on cold engines end there), and the rate is the tokens
+  (trajectories) of the next `measured` batches over the time from cut `skip` to the last of them,
+  while the groups still queued keep every rollout slot busy.
+
+Measured over the same warm windows, a perfect overlap of these stage rates publishes a version
+every max(rollout, learner) seconds per batch, which is the bound: async / bound is at most 1 for
+it (a unit test builds that schedule), and a real asynchronous run, whose stages contend for the
+same machine, stays below.
 """
 
 from __future__ import annotations
@@ -67,16 +88,32 @@ def learner_intervals(metrics: Iterable[Mapping[str, Any]]) -> dict[int, Interva
     return {step: (end[step] - int(round(busy[step] * 1000)), end[step]) for step in sorted(end)}
 
 
+def window_start_ms(requested: Sequence[Mapping[str, Any]], weights: Sequence[Mapping[str, Any]],
+                    warmup_steps: int) -> int:
+    """Where a mode's measured window begins: the publication of the last warm-up version (the first
+    dispatched task without a warm-up)."""
+    if warmup_steps == 0:
+        return min(r["dispatched_at_ms"] for r in requested)
+    warm = [w for w in weights if w.get("batch_id") is not None and w["version"] == warmup_steps]
+    if not warm:
+        raise ValueError(f"the run did not finish its {warmup_steps} warm-up steps: no figures")
+    return min(int(w["published_at_ms"]) for w in warm)
+
+
+def _clipped(intervals: Iterable[Interval], start: int, end: int) -> list[Interval]:
+    return [(max(a, start), min(b, end)) for a, b in intervals if b > start and a < end]
+
+
 def mode_figures(*, requested: Sequence[Mapping[str, Any]], steps: Sequence[Mapping[str, Any]],
                  batches: Sequence[Mapping[str, Any]], weights: Sequence[Mapping[str, Any]],
-                 metrics: Sequence[Mapping[str, Any]], action_tokens: Any) -> dict[str, Any]:
-    """The figures of one mode. `action_tokens(trajectory)` counts a trajectory's trained tokens."""
-    trained = [w for w in weights if w.get("batch_id") is not None]
+                 metrics: Sequence[Mapping[str, Any]], action_tokens: Any, warmup_steps: int = 0) -> dict[str, Any]:
+    """The figures of one mode over its warm window. `action_tokens(trajectory)` counts a trajectory's
+    trained tokens."""
+    trained = [w for w in weights if w.get("batch_id") is not None and w["version"] > warmup_steps]
     if not requested or not trained:
-        raise ValueError("the run trained nothing: no figures")
-    start = min(r["dispatched_at_ms"] for r in requested)
-    last = max(trained, key=lambda w: w["version"])
-    end = int(last["published_at_ms"])
+        raise ValueError("the run trained nothing after its warm-up: no figures")
+    start = window_start_ms(requested, weights, warmup_steps)
+    end = int(max(trained, key=lambda w: w["version"])["published_at_ms"])
     wall_ms = end - start
     trained_ids = {w["batch_id"]: w["version"] for w in trained}
     batch_of = {b["batch_id"]: b for b in batches}
@@ -91,47 +128,67 @@ def mode_figures(*, requested: Sequence[Mapping[str, Any]], steps: Sequence[Mapp
             tokens += action_tokens(t)
             trajectories += 1
             staleness += [version - 1 - u["weight_version"] for u in t["turns"]]
-    engines = engine_intervals(s for s in steps if start <= s["started_at_ms"] <= end)
-    learner = learner_intervals(metrics)
+    engines = {e: _clipped(iv, start, end) for e, iv in engine_intervals(steps).items()}
+    learner = {k: iv for k, iv in learner_intervals(metrics).items() if k > warmup_steps}
     return {
-        "wall_s": wall_ms / 1000, "learner_steps": len(trained_ids), "trained_tokens": tokens,
-        "trained_tokens_per_s": tokens * 1000 / wall_ms, "trajectories_per_s": trajectories * 1000 / wall_ms,
+        "wall_s": wall_ms / 1000, "learner_steps": len(trained_ids), "warmup_steps": warmup_steps,
+        "trained_tokens": tokens, "trained_tokens_per_s": tokens * 1000 / wall_ms,
+        "trajectories_per_s": trajectories * 1000 / wall_ms,
         "engine_busy": (sum(union_ms(i) for i in engines.values()) / (len(engines) * wall_ms)) if engines else 0.0,
-        "learner_busy": sum(b - a for a, b in learner.values()) / wall_ms,
+        "learner_busy": sum(b - a for a, b in _clipped(learner.values(), start, end)) / wall_ms,
         "mean_staleness": sum(staleness) / len(staleness) if staleness else 0.0,
         "start_ms": start, "end_ms": end,
     }
 
 
-def stages_alone(*, requested: Sequence[Mapping[str, Any]], batches: Sequence[Mapping[str, Any]],
-                 weights: Sequence[Mapping[str, Any]], metrics: Sequence[Mapping[str, Any]],
-                 action_tokens: Any) -> dict[str, float]:
-    """Trained tokens/s of each stage alone, from a synchronous run (its phases never overlap)."""
-    dispatched = defaultdict(lambda: float("inf"))
-    for r in requested:
-        dispatched[r["group_id"]] = min(dispatched[r["group_id"]], r["dispatched_at_ms"])
-    step_of = {w["batch_id"]: w["version"] for w in weights if w.get("batch_id") is not None}
-    learner = learner_intervals(metrics)
-    rollout_tokens = rollout_ms = learner_tokens = learner_ms = 0.0
-    for b in batches:
-        if b["batch_id"] not in step_of:
+def learner_alone(*, batches: Sequence[Mapping[str, Any]], weights: Sequence[Mapping[str, Any]],
+                  metrics: Sequence[Mapping[str, Any]], action_tokens: Any, warmup_steps: int) -> dict[str, float]:
+    """The learner's rate alone, from a synchronous run's steps after its warm-up (nothing else runs
+    while it trains): their trained tokens and trajectories over their busy seconds."""
+    batch_of = {b["batch_id"]: b for b in batches}
+    steps = learner_intervals(metrics)
+    tokens = trajectories = busy_ms = 0
+    for w in weights:
+        batch, step = batch_of.get(w.get("batch_id")), steps.get(w["version"])
+        if w["version"] <= warmup_steps or batch is None or step is None or step[1] <= step[0]:
             continue
-        tokens = sum(action_tokens(i["trajectory"]) for i in b["items"])
-        first = min(dispatched[g] for g in b["group_ids"])
-        if first != float("inf") and b["created_at_ms"] > first:
-            rollout_tokens += tokens
-            rollout_ms += b["created_at_ms"] - first
-        step = learner.get(step_of[b["batch_id"]])
-        if step is not None and step[1] > step[0]:
-            learner_tokens += tokens
-            learner_ms += step[1] - step[0]
-    rollout = rollout_tokens * 1000 / rollout_ms if rollout_ms else 0.0
-    train = learner_tokens * 1000 / learner_ms if learner_ms else 0.0
-    return {"rollout_tokens_per_s": rollout, "learner_tokens_per_s": train, "bound_tokens_per_s": min(rollout, train)}
+        tokens += sum(action_tokens(i["trajectory"]) for i in batch["items"])
+        trajectories += len(batch["items"])
+        busy_ms += step[1] - step[0]
+    if not busy_ms:
+        raise ValueError("no measured learner step: no learner rate")
+    return {"learner_tokens_per_s": tokens * 1000 / busy_ms, "learner_trajectories_per_s": trajectories * 1000 / busy_ms,
+            "learner_steps": sum(1 for w in weights if w["version"] > warmup_steps and w.get("batch_id") in batch_of)}
+
+
+def rollout_alone(*, batches: Sequence[Mapping[str, Any]], action_tokens: Any, skip: int,
+                  measured: int) -> dict[str, float]:
+    """The rollout rate alone, from a run whose learner stayed idle: the tokens and trajectories of
+    batches skip+1 .. skip+measured (in cut order) over the time from cut `skip` to the last of them."""
+    cut = sorted(batches, key=lambda b: (b["created_at_ms"], b["index"]))
+    if skip < 1 or measured < 1 or len(cut) < skip + measured:
+        raise ValueError(f"{len(cut)} batches cut, {skip} + {measured} needed: no rollout rate")
+    window = cut[skip:skip + measured]
+    span_ms = window[-1]["created_at_ms"] - cut[skip - 1]["created_at_ms"]
+    if span_ms <= 0:
+        raise ValueError("the measured batches were cut at the same time as the warm-up's: no rollout rate")
+    tokens = sum(action_tokens(i["trajectory"]) for b in window for i in b["items"])
+    trajectories = sum(len(b["items"]) for b in window)
+    return {"rollout_tokens_per_s": tokens * 1000 / span_ms, "rollout_trajectories_per_s": trajectories * 1000 / span_ms,
+            "rollout_batches": measured, "rollout_window_s": span_ms / 1000}
+
+
+def bound(rollout: Mapping[str, float], learner: Mapping[str, float]) -> dict[str, float]:
+    """Both stages' rates alone and the rate their perfect overlap would reach: the slower one."""
+    return {**rollout, **learner,
+            "bound_tokens_per_s": min(rollout["rollout_tokens_per_s"], learner["learner_tokens_per_s"]),
+            "bound_trajectories_per_s": min(rollout["rollout_trajectories_per_s"],
+                                            learner["learner_trajectories_per_s"])}
 
 
 def comparison(sync: Mapping[str, Any], async_: Mapping[str, Any], alone: Mapping[str, float]) -> dict[str, Any]:
-    """async/sync and async/bound in trained tokens/s."""
+    """async/sync and async/bound in trained tokens/s (and async/bound in trajectories/s)."""
     ratio = async_["trained_tokens_per_s"] / sync["trained_tokens_per_s"] if sync["trained_tokens_per_s"] else None
-    bound = alone["bound_tokens_per_s"]
-    return {"ratio": ratio, "of_bound": async_["trained_tokens_per_s"] / bound if bound else None}
+    by_tokens, by_trajectories = alone["bound_tokens_per_s"], alone.get("bound_trajectories_per_s")
+    return {"ratio": ratio, "of_bound": async_["trained_tokens_per_s"] / by_tokens if by_tokens else None,
+            "of_bound_trajectories": async_["trajectories_per_s"] / by_trajectories if by_trajectories else None}
