@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+from pipeline.engine import health
 
 log = logging.getLogger(__name__)
 
@@ -48,24 +48,14 @@ class EngineProcess:
     process: subprocess.Popen
     log_path: Path
 
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+    def log_tail(self, chars: int = health.LOG_TAIL_CHARS) -> str:
+        return health.log_tail(self.log_path, chars)
 
     def wait_until_serving(self, timeout_s: float = 300.0) -> float:
         """Blocks until the control surface answers; returns the seconds it took. An engine that
-        exits or does not come up raises with the end of its log."""
-        started = time.monotonic()
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"engine {self.engine_id} exited with {self.process.returncode}:\n{self.log_tail()}")
-            if time.monotonic() - started > timeout_s:
-                raise RuntimeError(f"engine {self.engine_id} not serving after {timeout_s:.0f} s:\n{self.log_tail()}")
-            try:
-                if httpx.get(f"{self.url}/rollstream/state", timeout=2).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        exits or does not come up raises NotServing (a RuntimeError) with the end of its log."""
+        return health.wait_until_serving(self.url, self.process, timeout_s, probe="/rollstream/state",
+                                         name=f"engine {self.engine_id}", log_path=self.log_path)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         """SIGTERM to the whole process group (supervisor and vLLM), SIGKILL if it lingers."""
@@ -127,10 +117,12 @@ def popen_niced(command: list[str], nice: int, **popen: Any) -> subprocess.Popen
 def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port: int | None = None,
                   engine_id: str | None = None, extra_args: tuple[str, ...] = (),
                   cwd: Path | None = None, bind_host: str = "127.0.0.1",
-                  advertise_host: str | None = None, nice: int = 0) -> EngineProcess:
+                  advertise_host: str | None = None, nice: int = 0,
+                  env: dict[str, str] | None = None) -> EngineProcess:
     """Starts `rollstream engine` in its own process group; call `wait_until_serving` next.
     bind_host 0.0.0.0 with an advertise_host lets other machines (containers) reach it; `nice` lowers the
-    scheduling priority of the engine and of every process it starts (vLLM's inherit it)."""
+    scheduling priority of the engine and of every process it starts (vLLM's inherit it); `env`, when
+    given, replaces the environment it inherits."""
     port = port or free_port()
     engine_id = engine_id or f"{pool}-{port}"
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -141,5 +133,6 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
     if advertise_host:
         command += ["--advertise-url", f"http://{advertise_host}:{port}"]
     with open(log_path, "ab") as log:  # an engine started again keeps the log of its previous life
-        process = popen_niced(command, nice, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, start_new_session=True)
+        process = popen_niced(command, nice, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
+                              start_new_session=True)
     return EngineProcess(pool, engine_id, f"http://127.0.0.1:{port}", process, log_path)

@@ -4,7 +4,7 @@ running learner.broadcast.send_buckets over Gloo), requests in flight during an 
 shards, and heartbeats.
 
 One engine for the whole module, started through the real entry point (`python -m
-pipeline.cli.engine`), serving a tiny default-architecture policy (head_dim 64). Every update
+pipeline.cli.engine`) as `rollstream up` starts it (tests/helpers/vllm.py), serving a tiny default-architecture policy (head_dim 64). Every update
 loads new random weights, and the engine's greedy output (temperature 0) must then equal, token
 for token, what a transformers forward pass of the same weights produces greedily.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -30,19 +29,26 @@ import psutil
 import pytest
 import safetensors.torch
 import torch
+from helpers.vllm import serving_engine
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from env_workers.engine_client import WEIGHT_VERSION_HEADER, completion_request
 from learner.manifest import ShardIntegrityError, specs_of, write_version
-from pipeline.engine.heartbeat import parse_queue_metrics
-from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load, should_load
 from pipeline.cli.engine import app as engine_app
+from pipeline.engine.heartbeat import parse_queue_metrics
+from pipeline.engine.launch import EngineProcess, free_port
+from pipeline.engine.updates import (
+    EngineControl,
+    UpdateRefused,
+    download_version,
+    newest_to_load,
+    should_load,
+)
 from pipeline.policy.model_init import PolicyModelSettings, init_model
 from schemas import objectstore, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.weight_layout import MANIFEST_FILE, plan_buckets
-from pipeline.engine.launch import free_port, stop_process_group
 
 pytestmark = pytest.mark.integration
 
@@ -71,44 +77,21 @@ class Engine:
 def engine(infra, tmp_path_factory) -> Iterator[Engine]:
     model_dir = tmp_path_factory.mktemp("policy")
     init_model(TINY, model_dir)
-    run, engine_id, port = f"engine-test-{uuid.uuid4().hex[:8]}", f"current-{uuid.uuid4().hex[:8]}", free_port()
+    run, engine_id = f"engine-test-{uuid.uuid4().hex[:8]}", f"current-{uuid.uuid4().hex[:8]}"
     heartbeats = EventConsumer(infra.kafka, f"test-heartbeats-{engine_id}", [topics.ENGINES], auto_offset_reset="latest")
     heartbeats.poll(2.0)  # join the group before the engine's first heartbeat
-    log_path = model_dir.parent / "engine.log"
-    command = [sys.executable, "-m", "pipeline.cli.engine", "--pool", "current", "--model", str(model_dir),
-               "--port", str(port), "--engine-id", engine_id, "--run", run, "--max-model-len", "2048",
-               "--heartbeat-s", str(HEARTBEAT_S), "--stall-after-s", str(STALL_S), "--work-dir", str(model_dir.parent / "engines")]
-    started = time.monotonic()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                   start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    args = ("--max-model-len", "2048", "--heartbeat-s", str(HEARTBEAT_S), "--stall-after-s", str(STALL_S))
+    served: EngineProcess | None = None
     try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"engine exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-            if time.monotonic() - started > 300:
-                raise RuntimeError(f"engine not up after 300 s:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/rollstream/state", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        start_s = time.monotonic() - started
-        print(f"\nengine serving after {start_s:.1f} s", file=sys.stderr)
-        initial = _model(model_dir)
-        yield Engine(url, model_dir, run, engine_id, process, heartbeats, start_s,
-                     {0: {n: p.detach().clone() for n, p in initial.named_parameters()}})
+        with serving_engine(model_dir, tmp_path_factory.mktemp("engines"), run=run, engine_id=engine_id,
+                            args=args) as (served, start_s):
+            initial = _model(model_dir)
+            yield Engine(served.url, model_dir, run, engine_id, served.process, heartbeats, start_s,
+                         {0: {n: p.detach().clone() for n, p in initial.named_parameters()}})
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
         heartbeats.close()
-        print(log_path.read_text()[-1500:], file=sys.stderr)
+        if served is not None:
+            print(served.log_tail(1500), file=sys.stderr)
 
 
 def _model(model_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> torch.nn.Module:
@@ -394,30 +377,14 @@ def test_an_engine_whose_broker_is_gone_still_takes_its_vllm_server_down_when_st
     # blocks for minutes, whoever stops it kills it first, and vLLM (in its own session) kept serving.
     model_dir = tmp_path / "policy"
     init_model(TINY, model_dir)
-    port = free_port()
     env = {**os.environ, "ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}"}  # nothing listens
-    command = [sys.executable, "-m", "pipeline.cli.engine", "--pool", "current", "--model", str(model_dir),
-               "--port", str(port), "--max-model-len", "1024", "--work-dir", str(tmp_path / "engines")]
-    with open(tmp_path / "engine.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
-                                   start_new_session=True)
     server_processes: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, (tmp_path / "engine.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "engine not serving after 300 s"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+    # Stopped as the launcher stops an engine, with a short patience.
+    with serving_engine(model_dir, tmp_path / "engines", args=("--max-model-len", "1024"), env=env,
+                        stop_timeout_s=20) as (engine, _):
         time.sleep(3)  # its heartbeats queue up for a broker that never answers
-        server_processes = psutil.Process(process.pid).children(recursive=True)
+        server_processes = psutil.Process(engine.process.pid).children(recursive=True)
         assert server_processes, "the supervisor runs vLLM as its child"
-    finally:
-        stop_process_group(process, timeout_s=20)  # as the launcher stops an engine, with a short patience
     _, alive = psutil.wait_procs(server_processes, timeout=30)
     for leftover in alive:
         leftover.kill()

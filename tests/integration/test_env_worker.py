@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
 import subprocess
@@ -28,7 +27,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 from confluent_kafka import Consumer, TopicPartition
 from transformers import AutoTokenizer
@@ -46,12 +44,12 @@ from schemas.arrays import unpack_ids, unpack_mask
 from schemas.bus import EventConsumer, EventProducer
 from schemas.ids import group_id, trajectory_id
 from pipeline.engine.launch import free_port
-from pipeline.engine.server import vllm_command
+
+from helpers.vllm import serving_engine
 
 pytestmark = pytest.mark.integration
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-START_TIMEOUT_S = 240
 QUIET_S = 1.5  # a final drain: the worker has stopped, so 1.5 s without an event means none is coming
 LOOP = AgentLoopSettings(max_turns=3, max_total_len=3072, max_new_tokens=24, engine_retry_backoff_s=0.5)
 DOCUMENTED = {"completed", "task_limit_reached", "agent_context_limit", "agent_validation_failed", "task_error"}
@@ -67,34 +65,9 @@ class Engine:
 def engine(tmp_path_factory) -> Iterator[Engine]:
     model_dir = tmp_path_factory.mktemp("policy")
     init_model(PolicyModelSettings(), model_dir)
-    port = free_port()
-    log_path = model_dir.parent / "vllm.log"
-    command = vllm_command(str(model_dir), host="127.0.0.1", port=port, max_model_len=4096, dtype="float32",
-                           enforce_eager=True, chunked_prefill=False)
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                   env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    url, started = f"http://127.0.0.1:{port}", time.monotonic()
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-            if time.monotonic() - started > START_TIMEOUT_S:
-                raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S} s")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        yield Engine(url, model_dir)
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    with serving_engine(model_dir, tmp_path_factory.mktemp("engines"),
+                        args=("--max-model-len", "4096")) as (served, _):
+        yield Engine(served.url, model_dir)
 
 
 @pytest.fixture(scope="module")

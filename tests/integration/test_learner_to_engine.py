@@ -17,15 +17,20 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from helpers.vllm import serving_engine
 from transformers import AutoModelForCausalLM
 
-from env_workers.engine_client import WEIGHT_VERSION_HEADER, completion_request, parse_completion
+from env_workers.engine_client import (
+    WEIGHT_VERSION_HEADER,
+    completion_request,
+    parse_completion,
+)
 from learner.manifest import decode_version
-from pipeline.engine.launch import free_port, launch_engine
+from pipeline.engine.launch import free_port
 from pipeline.policy.model_init import PolicyModelSettings, build_tokenizer, init_model
-from schemas.template import template_fingerprint
 from schemas import arrays, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
+from schemas.template import template_fingerprint
 from schemas.weight_layout import WeightManifest
 
 pytestmark = pytest.mark.integration
@@ -118,10 +123,8 @@ def test_each_version_reaches_the_engine_by_broadcast_or_from_minio_and_matches_
     run = f"publish-{uuid.uuid4().hex[:8]}"
     model_dir = tmp_path / "policy"
     init_model(TINY, model_dir)
-    engine = launch_engine(pool="current", model_dir=model_dir, run=run, work_dir=tmp_path / "engines",
-                           extra_args=("--max-model-len", "1024", "--heartbeat-s", "1"), cwd=REPO_ROOT)
-    try:
-        print(f"\nengine serving after {engine.wait_until_serving(300):.1f} s", file=sys.stderr)
+    with serving_engine(model_dir, tmp_path / "engines", run=run,
+                        args=("--max-model-len", "1024", "--heartbeat-s", "1")) as (engine, _):
         before, _, version = _engine(engine.url, model_dir, 16, 0.0)
         assert version == 0
 
@@ -158,5 +161,3 @@ def test_each_version_reaches_the_engine_by_broadcast_or_from_minio_and_matches_
         assert greedy2 == _torch_greedy(model, 16)
         ids, logprobs, _ = _engine(engine.url, model_dir, 32, TEMPERATURE)
         assert _max_logprob_gap(model, ids, logprobs) < LOGPROB_TOLERANCE
-    finally:
-        engine.stop()

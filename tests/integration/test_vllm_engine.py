@@ -1,18 +1,16 @@
 """The default policy served by a real vLLM CPU engine: token ids in, token ids and log-probs out,
 the agent loop's token-in-token-out invariant, and train/inference log-prob agreement.
 
-One engine per test session (about 45 s to start on 2 cores). It runs with
-`--logprobs-mode processed_logprobs` so the log-probs it returns are those of the temperature-
-scaled distribution it samples from (the behaviour policy), as the learner's PPO ratio needs.
+One engine per test session (about 45 s to start on 2 cores): `rollstream engine`, started as
+`rollstream up` starts its engines (tests/helpers/vllm.py). It runs with `--logprobs-mode
+processed_logprobs` so the log-probs it returns are those of the temperature-scaled distribution
+it samples from (the behaviour policy), as the learner's PPO ratio needs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-import os
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -23,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from helpers.vllm import serving_engine
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from env_workers.agent_loop import Rollout, run_agent_loop
@@ -31,7 +30,6 @@ from env_workers.engine_client import EngineClient, completion_request
 from env_workers.settings import AgentLoopSettings
 from pipeline.policy.model_init import PolicyModelSettings, init_model
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
-from pipeline.engine.launch import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -41,7 +39,6 @@ TEMPERATURE = 0.8
 # The bound leaves an order of magnitude for other CPUs' kernels while still catching any real
 # mismatch (a wrong temperature or raw log-probs are off by > 0.1).
 LOGPROB_TOLERANCE = 1e-4
-START_TIMEOUT_S = 240
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo text.", "parameters": {
     "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
 
@@ -56,42 +53,13 @@ class Engine:
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory) -> Iterator[Engine]:
     """The default policy's shape with a bytes-only tokenizer, initialized in a temporary directory and
-    served by one vLLM CPU engine. Bytes only: the tests below restrict sampling to byte ids (printable
-    ASCII), which with learned merges could be sampled in a split no re-encoding gives back."""
+    served by one `rollstream engine`. Bytes only: the tests below restrict sampling to byte ids
+    (printable ASCII), which with learned merges could be sampled in a split no re-encoding gives back."""
     model_dir = tmp_path_factory.mktemp("policy")
     init_model(PolicyModelSettings(vocab_size=256), model_dir)
-    port = free_port()
-    log_path = model_dir.parent / "vllm.log"
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-               "--dtype", "float32", "--enforce-eager", "--max-model-len", "2048", "--host", "127.0.0.1",
-               "--port", str(port), "--logprobs-mode", "processed_logprobs"]
-    started = time.monotonic()
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
-            if time.monotonic() - started > START_TIMEOUT_S:
-                raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S} s:\n{log_path.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        start_s = time.monotonic() - started
-        print(f"\nvLLM CPU engine healthy after {start_s:.1f} s", file=sys.stderr)
-        yield Engine(url, model_dir, start_s)
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+    with serving_engine(model_dir, tmp_path_factory.mktemp("engines"),
+                        args=("--max-model-len", "2048")) as (served, start_s):
+        yield Engine(served.url, model_dir, start_s)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Engine processes started at a lower scheduling priority (engines.nice), their children and their sessions too."""
+"""Engine processes: started at a lower scheduling priority (engines.nice), their children and their sessions
+too; and the wait until a started server serves."""
 
 from __future__ import annotations
 
@@ -10,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.engine.launch import popen_niced, set_session_niceness, stop_process_group
+from pipeline.engine.health import NotServing, wait_until_serving
+from pipeline.engine.launch import (
+    free_port,
+    popen_niced,
+    set_session_niceness,
+    stop_process_group,
+)
 
 # The child waits a moment, so that the niceness is set before it starts a grandchild, as the engine
 # supervisor imports for seconds before it starts vLLM; the grandchild prints its own niceness.
@@ -86,3 +93,34 @@ def test_a_kernel_that_refuses_the_session_niceness_leaves_the_process_running_w
             assert "left at its niceness" not in caplog.text
     finally:
         stop_process_group(process, 5)
+
+
+def test_waiting_for_a_server_returns_once_its_probe_answers(tmp_path: Path) -> None:
+    port = free_port()
+    # Listens only after a moment, as vLLM does while it loads the model.
+    server = subprocess.Popen(["sh", "-c", f"sleep 1; exec {sys.executable} -m http.server --bind 127.0.0.1 {port}"],
+                              cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        seconds = wait_until_serving(f"http://127.0.0.1:{port}", server, 30, probe="/")
+        assert 0.9 < seconds < 30
+    finally:
+        stop_process_group(server, 5)
+
+
+def test_a_server_that_exits_before_serving_fails_the_wait_with_the_end_of_its_log(tmp_path: Path) -> None:
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        server = subprocess.Popen([sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], stdout=log)
+    with pytest.raises(NotServing, match="^engine e1 exited with 3 before serving:\nno model here"):
+        wait_until_serving(f"http://127.0.0.1:{free_port()}", server, 30, name="engine e1", log_path=log_path)
+
+
+def test_a_server_that_never_answers_fails_the_wait_after_its_timeout() -> None:
+    server = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        started = time.monotonic()
+        with pytest.raises(NotServing, match="^vLLM not serving after 1 s$"):
+            wait_until_serving(f"http://127.0.0.1:{free_port()}", server, 1)
+        assert time.monotonic() - started < 5
+    finally:
+        stop_process_group(server, 5)

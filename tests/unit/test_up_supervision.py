@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from pipeline.run.up import Interrupted, RunFailed, Stack, catch_interrupts
+from pipeline.run.interrupts import Interrupted, catch_interrupts
 from pipeline.run.plan import Child
+from pipeline.run.supervision import RestartBudget, RunFailed, Stack
 
 
 def _wait_exit(stack: Stack) -> None:
@@ -48,6 +49,23 @@ def test_without_restarts_the_first_death_ends_the_run(tmp_path):
     _wait_exit(stack)
     with pytest.raises(RunFailed, match="dispatcher exited with 1:\nboom"):
         stack.supervise(lambda line: None)
+
+
+def test_the_restart_budget_counts_each_process_apart_and_refuses_past_its_limit():
+    budget = RestartBudget(limit=2)
+    assert [budget.take("learner", 1, lambda: ""), budget.take("run.current-0", -9, lambda: "")] == [1, 1]
+    assert [budget.take("learner", 1, lambda: ""), budget.take("run.current-0", -9, lambda: "")] == [2, 2]
+    with pytest.raises(RunFailed, match="^engine run.current-0 exited with -9 after 2 restarts:\nkilled$"):
+        budget.take("run.current-0", -9, lambda: "killed", label="engine run.current-0")
+    with pytest.raises(RunFailed, match="^learner exited with 1 after 2 restarts"):
+        budget.take("learner", 1, lambda: "")
+    assert budget.used == {"learner": 2, "run.current-0": 2}
+
+
+def test_engines_and_children_share_the_stack_s_restart_record(tmp_path):
+    stack = Stack(tmp_path, max_restarts=1)
+    stack.budget.take("run.current-0", -9, lambda: "")
+    assert stack.restarts == {"run.current-0": 1}
 
 
 def test_a_second_signal_during_the_shutdown_is_ignored_instead_of_interrupting_it():

@@ -1,0 +1,102 @@
+"""The engines of a run: launched and waited for at its start, started again when one dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+
+from pipeline.engine.launch import EngineProcess, launch_engine
+from pipeline.run.config import REPO_ROOT, RollstreamConfig
+from pipeline.run.plan import engine_args
+from pipeline.run.supervision import RunFailed, Stack
+from streams.routing import stale_schedule
+
+
+def launch_run_engine(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path, pool: str, engine_id: str,
+                      port: int | None = None, extra_args: tuple[str, ...] = ()) -> EngineProcess:
+    """One engine of the run, launched as the run's configuration says (not yet serving)."""
+    return launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines", port=port,
+                         engine_id=engine_id, extra_args=engine_args(cfg) + extra_args, cwd=REPO_ROOT,
+                         bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host,
+                         nice=cfg.engines.nice)
+
+
+def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
+                  pools: dict[str, int], say: Callable[[str], None], into: list[EngineProcess]) -> None:
+    """Launches the engines into `into` (first, so that whoever stops the run stops them even when
+    it is interrupted while they load), then waits until each one serves."""
+    for pool, count in pools.items():
+        for i in range(count):
+            into.append(launch_run_engine(cfg, run, run_dir, model_dir, pool, f"{run}.{pool}-{i}"))
+    for e in into:
+        try:
+            seconds = e.wait_until_serving(cfg.engines.start_timeout_s)
+        except RuntimeError as error:
+            raise RunFailed(str(error)) from None
+        say(f"engine {e.engine_id} ({e.pool}) serving at {e.url} after {seconds:.0f} s")
+
+
+def stop_listener(port: int) -> None:
+    """Kills the process group of whatever still listens on `port` on this machine: a killed engine
+    supervisor leaves its vLLM server running (the server has its own session, so that the
+    supervisor can stop all of vLLM's processes), holding the port the engine restarts on."""
+    for conn in psutil.net_connections(kind="tcp"):
+        if conn.laddr and conn.laddr.port == port and conn.status == psutil.CONN_LISTEN and conn.pid:
+            try:
+                os.killpg(os.getpgid(conn.pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and any(
+            c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN for c in psutil.net_connections("tcp")):
+        time.sleep(0.2)
+
+
+class EngineRestarter:
+    """Starts an engine that died again, on the version its pool should hold: the learner's latest
+    for the current pool, the last multiple of stale_step for the stale one (fetched from the object
+    store, as `rollstream eval` does). Later versions reach it through `weights` as usual. Within the
+    run's restart budget (the stack's, shared with its other processes); meanwhile the others serve
+    (env workers skip an engine whose heartbeat went stale)."""
+
+    def __init__(self, cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
+                 say: Callable[[str], None]) -> None:
+        self.cfg, self.run, self.run_dir, self.model_dir, self.say = cfg, run, run_dir, model_dir, say
+
+    def version_for(self, pool: str, learner_version: int) -> int:
+        return learner_version if pool == "current" else stale_schedule(learner_version, self.cfg.streams.stale_step)
+
+    def dead_engines(self, stack: Stack, learner_version: int) -> None:
+        for i, e in enumerate(stack.engines):
+            code = e.process.poll()
+            if code is None:
+                continue
+            n = stack.budget.take(e.engine_id, code, e.log_tail, label=f"engine {e.engine_id}")
+            version = self.version_for(e.pool, learner_version)
+            self.say(f"engine {e.engine_id} exited with {code}: restarting it on version {version} "
+                     f"({n} of {stack.budget.limit})")
+            stack.engines[i] = self._start(e, version)
+
+    def _start(self, dead: EngineProcess, version: int) -> EngineProcess:
+        from pipeline.policy.loading import (  # object store clients: only here
+            VersionUnavailable,
+            materialize_version,
+        )
+
+        model_dir, extra = self.model_dir, ()
+        if version > 0:
+            try:
+                model_dir = materialize_version(self.cfg, self.run, version, self.model_dir,
+                                                self.run_dir / "engines" / f"{dead.engine_id}.restart")
+                extra = ("--initial-version", str(version))
+            except VersionUnavailable as error:
+                raise RunFailed(f"engine {dead.engine_id} cannot restart on version {version}: {error}") from None
+        # On its old port: the learner's broadcast targets and the env workers' routes stay valid.
+        port = int(dead.url.rsplit(":", 1)[1])
+        stop_listener(port)
+        return launch_run_engine(self.cfg, self.run, self.run_dir, model_dir, dead.pool, dead.engine_id, port, extra)

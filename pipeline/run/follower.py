@@ -1,0 +1,54 @@
+"""The follower of a run: a thread that reads the run's topics into its live view (pipeline/run/live_view.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+from pipeline.run.live_view import RunView
+from schemas import topics
+from schemas.codec import UndecodableEvent, codec
+from schemas.settings import KafkaSettings
+
+FOLLOWED = (topics.TASKS_REQUESTED, topics.TRAJECTORIES, topics.STEPS, topics.WEIGHTS, topics.METRICS, topics.ENGINES)
+
+
+class RunFollower(threading.Thread):
+    """Reads the run's events from `since_ms` on, into a RunView (guarded by `lock`)."""
+
+    def __init__(self, kafka: KafkaSettings, view: RunView, since_ms: int) -> None:
+        super().__init__(name="run-follower", daemon=True)
+        self.view, self.lock, self._halt = view, threading.Lock(), threading.Event()
+        self.undecodable = 0
+        self._consumer = Consumer(kafka.as_confluent(**{"group.id": f"rollstream-up-view.{view.run}",
+                                                        "enable.auto.commit": False}))
+        wanted = []
+        for name in FOLLOWED:
+            meta = self._consumer.list_topics(name, timeout=10).topics[name]
+            wanted += [TopicPartition(name, p, since_ms) for p in meta.partitions]
+        found = self._consumer.offsets_for_times(wanted, timeout=10)
+        # A partition with nothing newer than since_ms answers -1: start at its end.
+        self._consumer.assign([TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else -1)
+                               for tp in found])
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            for msg in self._consumer.consume(500, timeout=0.5):
+                if msg.error() is not None:
+                    if msg.error().code() != KafkaError._PARTITION_EOF:
+                        self.undecodable += 1
+                    continue
+                try:
+                    event = codec().decode(msg.value(), topics.EVENT_OF_TOPIC[msg.topic()])
+                except UndecodableEvent:
+                    self.undecodable += 1  # the consumers of the run send it to `dlq`; the view only counts it
+                    continue
+                with self.lock:
+                    self.view.apply(msg.topic(), event, int(time.time() * 1000))
+        self._consumer.close()
+
+    def stop(self) -> None:
+        self._halt.set()
+        self.join(timeout=10)

@@ -1,0 +1,119 @@
+"""The processes of one run: started in their own sessions with their logs, restarted within a
+budget when they die on their own, and stopped in the reverse of their start order."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from pipeline.engine.launch import EngineProcess, stop_process_group
+from pipeline.run.config import REPO_ROOT, write_private
+from pipeline.run.plan import Child
+
+
+class RunFailed(RuntimeError):
+    """A process of the run ended on its own, or the run could not start."""
+
+
+@dataclass
+class RestartBudget:
+    """How many times each process of a run (child or engine, by name) may be started again after
+    it died on its own: `limit` times each. One budget for both, so that `used` is the run's record
+    of every restart."""
+
+    limit: int
+    used: dict[str, int] = field(default_factory=dict)
+
+    def take(self, name: str, code: int | None, log_tail: Callable[[], str], label: str | None = None) -> int:
+        """Counts one restart of `name`, which exited with `code`, and returns its number (1 for the
+        first). Past the limit raises RunFailed with the end of its log; `label` names it there
+        (default: `name`)."""
+        used = self.used.get(name, 0)
+        if used >= self.limit:
+            raise RunFailed(f"{label or name} exited with {code}"
+                            f"{f' after {used} restarts' if used else ''}:\n{log_tail()}")
+        self.used[name] = used + 1
+        return used + 1
+
+
+@dataclass
+class RunningChild:
+    """A started process of the run."""
+
+    child: Child
+    process: subprocess.Popen
+    log_path: Path
+    log: IO[bytes]
+
+    @classmethod
+    def start(cls, child: Child, log_dir: Path) -> RunningChild:
+        for path, content in child.files.items():
+            write_private(Path(path), content)
+        log_path = log_dir / f"{child.name}.log"
+        log = open(log_path, "ab")
+        # Its own session: Ctrl-C reaches only `up`, which stops every child in order.
+        process = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                   start_new_session=True)
+        return cls(child, process, log_path, log)
+
+    def log_tail(self, chars: int = 2500) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
+
+    def stop(self, timeout_s: float) -> int | None:
+        """SIGTERM to its process group, SIGKILL after timeout_s; its exit status."""
+        code = stop_process_group(self.process, timeout_s)
+        self.log.close()
+        return code
+
+
+class Stack:
+    """The processes of one run (engines apart), stopped in the reverse of their start order; the
+    engines, started first, are stopped last."""
+
+    def __init__(self, log_dir: Path, max_restarts: int = 0) -> None:
+        self.log_dir = log_dir
+        self.budget = RestartBudget(max_restarts)
+        self.children: list[RunningChild] = []
+        self.engines: list[EngineProcess] = []
+
+    @property
+    def restarts(self) -> dict[str, int]:
+        """Restarts so far, by child name and engine id."""
+        return self.budget.used
+
+    def start(self, child: Child) -> RunningChild:
+        running = RunningChild.start(child, self.log_dir)
+        self.children.append(running)
+        return running
+
+    def supervise(self, say: Callable[[str], None], finished: Iterable[str] = ()) -> None:
+        """Restarts a child that ended on its own (its restart command: the learner resumes from its
+        checkpoint, the others from their committed offsets), within the restart budget; beyond it
+        raises RunFailed. Children named in `finished` that exited 0 are done, not dead."""
+        done = set(finished)
+        for i, c in enumerate(self.children):
+            code = c.process.poll()
+            if code is None or (c.child.name in done and code == 0):
+                continue
+            n = self.budget.take(c.child.name, code, c.log_tail)
+            c.log.close()
+            say(f"{c.child.name} exited with {code}: restarting it ({n} of {self.budget.limit})")
+            self.children[i] = RunningChild.start(c.child.restarted(), self.log_dir)
+
+    def failed(self) -> RunningChild | None:
+        """The first child that has exited."""
+        return next((c for c in self.children if c.process.poll() is not None), None)
+
+    def stop(self, say: Callable[[str], None]) -> dict[str, int | None]:
+        codes = {}
+        for c in reversed(self.children):
+            # env workers drain their in-flight rollouts; the rest stop within seconds
+            codes[c.child.name] = c.stop(timeout_s=150 if c.child.name.startswith("env-worker") else 60)
+        for e in self.engines:
+            e.stop()
+            codes[e.engine_id] = e.process.returncode
+        say("stopped: " + ", ".join(f"{n} ({'ok' if rc in (0, -15) else rc})" for n, rc in codes.items()))
+        return codes
