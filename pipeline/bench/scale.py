@@ -33,10 +33,10 @@ from env_workers.latency import StepLatency
 from env_workers.settings import AgentLoopSettings
 from env_workers.worker_settings import EnvWorkerSettings
 from pipeline.analysis.replay_verify import VerifySettings, same_content
-from pipeline.bench.faults import ensure_random_policy
 from pipeline.bench.scale_logic import account_tasks, scale_figures, window_rate
 from pipeline.dispatch.logic import Slot, requests_for
 from pipeline.engine.launch import launch_engine, stop_process_group
+from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, load_config, settings_json, write_private
 from pipeline.run.up import timestamped
 from schemas import topics
