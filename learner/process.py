@@ -120,6 +120,10 @@ def plan_resume(
     return ResumePlan(resumed, False, False, lost)
 
 
+def _broker_blip(error: Exception, wait_s: float) -> None:
+    log.warning("Kafka unavailable (%s): retrying in %.1f s", error, wait_s)
+
+
 class ReferenceMismatch(ValueError):
     """A batch item's arrays_uri refers to an event of another trajectory."""
 
@@ -289,7 +293,8 @@ class LearnerLoop:
         """Consumes `batches` until stopped; returns the final state (checkpointed)."""
         consumer = EventConsumer(self.kafka, group_id=f"learner-{self.run}", topic_names=[], client_id="learner",
                                  dlq=self.producer)
-        parts = consumer.end_offsets(topics.BATCHES)
+        parts = eventref.retrying(lambda: consumer.end_offsets(topics.BATCHES), "reading the batches partitions",
+                                  on_retry=_broker_blip)
         # From the checkpoint's offsets where known, else the group's committed offset (or the start).
         consumer.assign({topics.BATCHES: {p: state.offsets.get(p, OFFSET_STORED) for p in parts}})
         applied = set(state.applied_batch_ids)
@@ -299,7 +304,9 @@ class LearnerLoop:
         try:
             wait_started = self.clock()
             while not self._done(state):
-                event = consumer.poll(self.settings.poll_timeout_s)
+                # A broker restart surfaces here as transient errors: waited out like an idle spell.
+                event = eventref.retrying(lambda: consumer.poll(self.settings.poll_timeout_s), "polling batches",
+                                          on_retry=_broker_blip)
                 if event is None:
                     if self.idle_exit_s is not None and self.clock() - last_batch_at > self.idle_exit_s:
                         log.info("no batch for %.0f s: stopping", self.idle_exit_s)

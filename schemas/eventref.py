@@ -11,16 +11,29 @@ are those of the very event the aggregator counted (a re-rollout under the same 
 event, at another offset).
 
 `parse`/`uri` are pure; `EventFetcher` reads referenced events, a range per partition at a time.
+
+A broker restart is ridden through, not reported as a missing event: while the broker is down or
+its partitions have no leader yet, the client's calls fail with transient errors (transport, timed
+out, unknown partition, leader not available). `should_retry` decides which errors those are and
+`backoff_s` how long to wait before the next try; the fetcher retries a range until `outage_s`
+has passed since the first failure, then raises BrokerUnavailable. EventMissing is only for an
+event the broker, when it answers, says it does not hold.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
 from confluent_kafka import Consumer, KafkaError, KafkaException, TopicPartition
 
 from schemas.settings import KafkaSettings
+
+log = logging.getLogger("rollstream.eventref")
 
 SCHEME = "kafka://"
 MAX_GAP = 256
@@ -61,14 +74,95 @@ class EventMissing(LookupError):
     """A referenced event is no longer (or not yet) in its partition: retention passed, or a wrong reference."""
 
 
+class BrokerUnavailable(RuntimeError):
+    """Kafka kept failing with transient errors for longer than the outage a client rides through."""
+
+
+# What a broker restart looks like from a client: librdkafka marks few of these retriable (its flag
+# is set only on errors it raised itself, and not on _UNKNOWN_PARTITION or _ALL_BROKERS_DOWN), so
+# they are listed. An unknown topic or partition is among them: right after a restart the broker
+# answers metadata before it has loaded its logs.
+TRANSIENT_ERRORS = frozenset({
+    KafkaError._TRANSPORT, KafkaError._TIMED_OUT, KafkaError._ALL_BROKERS_DOWN, KafkaError._UNKNOWN_PARTITION,
+    KafkaError._UNKNOWN_TOPIC, KafkaError._RESOLVE, KafkaError._WAIT_COORD, KafkaError._WAIT_CACHE,
+    KafkaError.LEADER_NOT_AVAILABLE, KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.REQUEST_TIMED_OUT,
+    KafkaError.NETWORK_EXCEPTION, KafkaError.BROKER_NOT_AVAILABLE, KafkaError.REPLICA_NOT_AVAILABLE,
+    KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.NOT_COORDINATOR, KafkaError.COORDINATOR_NOT_AVAILABLE,
+    KafkaError.COORDINATOR_LOAD_IN_PROGRESS, KafkaError.FENCED_LEADER_EPOCH, KafkaError.UNKNOWN_LEADER_EPOCH,
+    KafkaError.OFFSET_NOT_AVAILABLE, KafkaError.KAFKA_STORAGE_ERROR,
+})
+OUTAGE_S = 300.0
+"""How long a client rides through a broker that keeps failing transiently (a restart of the
+single broker, stop and start, takes well under this on a loaded machine)."""
+
+
+def should_retry(code: int, *, retriable: bool = False, fatal: bool = False) -> bool:
+    """Whether a Kafka error is worth retrying: a transient one (listed, or flagged retriable by
+    librdkafka), never a fatal one."""
+    return not fatal and (retriable or code in TRANSIENT_ERRORS)
+
+
+def backoff_s(attempt: int, first_s: float = 0.25, factor: float = 2.0, cap_s: float = 5.0) -> float:
+    """The wait before retry number `attempt` (0 first): doubling from first_s up to cap_s, so a short
+    blip costs a fraction of a second and a restart is polled every few seconds."""
+    return min(cap_s, first_s * factor ** max(0, attempt))
+
+
+def kafka_error(exc: BaseException) -> KafkaError | None:
+    """The KafkaError a confluent-kafka exception carries, if any."""
+    error = exc.args[0] if isinstance(exc, KafkaException) and exc.args else None
+    return error if isinstance(error, KafkaError) else None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether an exception is a Kafka error `should_retry` accepts."""
+    error = kafka_error(exc)
+    return error is not None and should_retry(error.code(), retriable=error.retriable(), fatal=error.fatal())
+
+
+T = TypeVar("T")
+
+
+def retrying(call: Callable[[], T], what: str, outage_s: float = OUTAGE_S, *,
+             on_retry: Callable[[KafkaException, float], None] | None = None,
+             clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> T:
+    """call() retried with backoff while it raises transient Kafka errors, for up to outage_s since
+    the first one; then BrokerUnavailable naming `what` and the last error. Other errors pass."""
+    first_failure: float | None = None
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except KafkaException as e:
+            if not is_transient(e):
+                raise
+            now = clock()
+            first_failure = now if first_failure is None else first_failure
+            if now - first_failure >= outage_s:
+                raise BrokerUnavailable(f"{what}: Kafka failed transiently for {now - first_failure:.0f} s "
+                                        f"(last: {e}); giving up after {outage_s:g} s") from e
+            wait = backoff_s(attempt)
+            if on_retry is not None:
+                on_retry(e, wait)
+            sleep(wait)
+            attempt += 1
+
+
+def _log_retry(error: KafkaException, wait_s: float) -> None:
+    log.warning("Kafka unavailable while fetching events (%s): retrying in %.1f s", error, wait_s)
+
+
 class EventFetcher:
     """Reads referenced events' raw values (a consumer outside any group: assigns, never commits)."""
 
-    def __init__(self, kafka: KafkaSettings, timeout_s: float = 30.0) -> None:
+    def __init__(self, kafka: KafkaSettings, timeout_s: float = 30.0, outage_s: float = OUTAGE_S) -> None:
         self._consumer = Consumer(kafka.as_confluent(**{
             "group.id": "rollstream-event-fetch", "enable.auto.commit": False, "enable.partition.eof": True,
             "fetch.message.max.bytes": kafka.message_max_bytes, "fetch.wait.max.ms": 10}))
         self.timeout_s = timeout_s
+        """How long the events of one range, once the broker answers, may take to arrive."""
+        self.outage_s = outage_s
+        """How long transient broker errors are retried before BrokerUnavailable."""
 
     def fetch_many(self, refs: Iterable[str]) -> dict[str, bytes]:
         """The raw value of every referenced event, by reference. EventMissing when one is not there."""
@@ -79,7 +173,10 @@ class EventFetcher:
         found: dict[str, bytes] = {}
         for (topic, partition), offsets in sorted(wanted.items()):
             for first, last in ranges(offsets):
-                found.update(self._read_range(topic, partition, first, last, offsets))
+                # A range read again from its start after a transient error: assign, read, nothing kept.
+                read = functools.partial(self._read_range, topic, partition, first, last, offsets)
+                found.update(retrying(read, f"reading {uri(topic, partition, first)} .. offset {last}", self.outage_s,
+                                      on_retry=_log_retry))
         return found
 
     def fetch(self, ref: str) -> bytes:
@@ -96,8 +193,9 @@ class EventFetcher:
         deadline = time.monotonic() + self.timeout_s
         while want:
             if time.monotonic() > deadline:
-                raise EventMissing(f"{len(want)} events of {topic}[{partition}] not read within {self.timeout_s:g} s "
-                                   f"(first missing offset {min(want)})")
+                # The watermarks said the partition holds them: slow or absent brokers, not missing events.
+                raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"{len(want)} events of {topic}[{partition}] "
+                                                f"not read within {self.timeout_s:g} s (first {min(want)})"))
             for msg in self._consumer.consume(500, 1.0):
                 if msg.error() is not None:
                     if msg.error().code() == KafkaError._PARTITION_EOF:

@@ -9,6 +9,12 @@ poison event, every poison event sits in `dlq` with a reason. A fault still unre
 end of the run counts as one loss. Work redone is counted from the replayed topics: an id published
 again (trajectory, group, batch, weight version) inside the fault's window. Losses are what
 `replay verify` finds, plus poison events missing from `dlq`: zero when all is well.
+
+Supervision restarts a process that exits, so a run can recover from a fault by crashing and
+starting again; that hides a process that does not ride through what it should. Each fault kills
+at most one process on purpose (`KILLS`); any other restart in its window, or a second one of the
+killed process, is a finding: a broker or object-store restart, a poison event or another
+process's death must be ridden through. Findings fail the run like losses.
 """
 
 from __future__ import annotations
@@ -29,9 +35,18 @@ FAULTS: dict[str, str] = {
     "minio_restart": "restart of MinIO right after a learner step (during its weight publish)",
     "poison_events": "an undecodable event on each input topic of the run",
 }
-SCALED_DOWN = ("env_worker_kill", "streams_kill", "learner_kill", "poison_events")
-"""What `make test` injects: the processes and the bad input. Broker, object store and engine
-restarts take minutes each on two cores; `rollstream bench faults` runs them all."""
+KILLS: dict[str, str | None] = {
+    "env_worker_kill": "env-worker-0",
+    "streams_kill": "streams",
+    "learner_kill": "learner",
+    "engine_kill": None,  # a current-pool engine: its id is named at injection (FaultRecord.killed)
+}
+"""The process each fault kills on purpose, restarted once by the run's supervision. The faults not
+listed kill nothing: every process must ride through them."""
+
+SCALED_DOWN = ("env_worker_kill", "streams_kill", "learner_kill", "kafka_restart", "poison_events")
+"""What `make test` injects: the processes, the broker under every client, and the bad input. Object
+store and engine restarts take minutes each on two cores; `rollstream bench faults` runs them all."""
 
 POISON_TOPICS = (topics.TASKS_REQUESTED, topics.TASKS, topics.TRAJECTORIES, topics.GROUPS, topics.BATCHES,
                  topics.WEIGHTS)
@@ -59,6 +74,7 @@ class FaultRecord:
     poison: list[tuple[str, int, int]] = field(default_factory=list)  # (topic, partition, offset) produced
     poison_found: int = 0
     restarts_before: dict[str, int] = field(default_factory=dict)  # the run's restart counts at injection
+    killed: str | None = None  # the process the fault killed on purpose (KILLS), None for the others
 
     @property
     def recovery_s(self) -> float | None:
@@ -94,13 +110,16 @@ class FaultSchedule:
         return self.pending[0] if version >= self.start_version else None
 
     def injected(self, name: str, version: int, now_ms: int, detail: str = "",
-                 poison: Sequence[tuple[str, int, int]] = (), restarts: Mapping[str, int] | None = None) -> FaultRecord:
+                 poison: Sequence[tuple[str, int, int]] = (), restarts: Mapping[str, int] | None = None,
+                 killed: str | None = None) -> FaultRecord:
         """Records an injection that began at now_ms (a broker restart takes a while: its recovery
-        time counts from the moment it went down)."""
+        time counts from the moment it went down). `killed` names the process killed on purpose when
+        KILLS cannot (an engine's id); by default it is KILLS' entry."""
         if name != self.due(version):
             raise ValueError(f"{name} is not due")
         self.pending.pop(0)
-        record = FaultRecord(name, now_ms, version, detail, poison=list(poison), restarts_before=dict(restarts or {}))
+        record = FaultRecord(name, now_ms, version, detail, poison=list(poison), restarts_before=dict(restarts or {}),
+                             killed=killed if killed is not None else KILLS.get(name))
         self.records.append(record)
         return record
 
@@ -161,9 +180,25 @@ def restarts_per_fault(faults: Sequence[FaultRecord], final: Mapping[str, int]) 
     return out
 
 
+def unexpected_restarts(fault: FaultRecord, restarted: Mapping[str, int]) -> dict[str, int]:
+    """The restarts in a fault's window that the fault did not cause on purpose: all of them, but one
+    of the process it killed."""
+    expected = {fault.killed: 1} if fault.killed is not None else {}
+    return {name: n - expected.get(name, 0) for name, n in sorted(restarted.items()) if n > expected.get(name, 0)}
+
+
+def findings(fault: FaultRecord, restarted: Mapping[str, int]) -> list[str]:
+    """What the fault table reports of unexpected restarts: each process that exited during a fault
+    it should have ridden through."""
+    return [f"{name} exited during {fault.name} and was restarted{f' {n} times' if n > 1 else ''}"
+            + (" (again after its own kill)" if name == fault.killed else ": it should ride through it")
+            for name, n in unexpected_restarts(fault, restarted).items()]
+
+
 def fault_table(faults: Sequence[FaultRecord], redone_per_fault: Sequence[Mapping[str, int]],
                 verify_report: Mapping[str, Any], final_restarts: Mapping[str, int] | None = None) -> dict[str, Any]:
-    """The benchmark's figures: one row per fault, the verify row, and the total of losses (`ratio`)."""
+    """The benchmark's figures: one row per fault, the verify row, the total of losses and findings
+    (`ratio`: 0 when the run lost nothing and every process rode through what it should) and `ok`."""
     rows = []
     restarted = restarts_per_fault(faults, final_restarts or {})
     for fault, work, again in zip(faults, redone_per_fault, restarted):
@@ -172,12 +207,14 @@ def fault_table(faults: Sequence[FaultRecord], redone_per_fault: Sequence[Mappin
         rows.append({"fault": fault.name, "what": FAULTS[fault.name], "detail": fault.detail,
                      "injected_at_version": fault.version_at_injection,
                      "recovered": fault.recovered_at_ms is not None, "recovery_s": fault.recovery_s,
-                     "redone": dict(work), "restarted": again, "poison_in_dlq": f"{fault.poison_found}/{len(fault.poison)}"
-                     if fault.poison else None, "losses": losses})
+                     "redone": dict(work), "restarted": again, "findings": findings(fault, again),
+                     "poison_in_dlq": f"{fault.poison_found}/{len(fault.poison)}" if fault.poison else None,
+                     "losses": losses})
     mismatches = {c["name"]: len(c["mismatches"]) for c in verify_report.get("checks", []) if c["mismatches"]}
     verify_losses = sum(mismatches.values())
     total = sum(r["losses"] for r in rows) + verify_losses
-    return {"ratio": total, "losses": total, "faults": rows,
+    found = sum(len(r["findings"]) for r in rows)
+    return {"ratio": total + found, "ok": total + found == 0, "losses": total, "findings": found, "faults": rows,
             "verify": {"ok": verify_losses == 0, "mismatches": mismatches,
                        "loss_checks": {name: mismatches.get(name, 0) for name in LOSS_CHECKS},
                        "not_checked": verify_report.get("not_checked", {}),

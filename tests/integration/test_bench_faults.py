@@ -1,8 +1,10 @@
 """`rollstream bench faults --scaled-down` on the real stack: an env worker, the Faust worker and the
-learner SIGKILLed in turn during a training run, then an undecodable event on every topic the run
-consumes. The run must go on by itself each time, every poison event must reach `dlq` with its
-reason, and `replay verify` over the run must find nothing lost, nothing trained twice, no id with
-two contents on the same weights and continuous learner versions: zero losses.
+learner SIGKILLed in turn during a training run, then a restart of the Kafka broker, then an
+undecodable event on every topic the run consumes. The run must go on by itself each time, every
+process must ride through the faults that did not kill it (the broker restart above all: no
+process may exit and be restarted then), every poison event must reach `dlq` with its reason, and
+`replay verify` over the run must find nothing lost, nothing trained twice, no id with two contents
+on the same weights and continuous learner versions: zero losses, zero findings.
 """
 
 from __future__ import annotations
@@ -45,11 +47,14 @@ def test_scaled_down_faults_recover_by_themselves_and_lose_nothing(infra, tmp_pa
 
     assert [row["fault"] for row in result["faults"]] == list(SCALED_DOWN)
     assert all(row["recovered"] and row["losses"] == 0 for row in result["faults"]), result["faults"]
+    assert [row["findings"] for row in result["faults"]] == [[]] * len(SCALED_DOWN), result["faults"]
+    kafka = next(row for row in result["faults"] if row["fault"] == "kafka_restart")
+    assert kafka["restarted"] == {}, kafka  # every client rode through the broker's restart
     poison = next(row for row in result["faults"] if row["fault"] == "poison_events")
     assert poison["poison_in_dlq"] == f"{len(POISON_TOPICS)}/{len(POISON_TOPICS)}"
     # Each killed process was started again by the run itself, once.
     assert {name: result["restarts"].get(name) for name in ("env-worker-0", "streams", "learner")} == \
         {"env-worker-0": 1, "streams": 1, "learner": 1}
     assert result["verify"]["ok"], result["verify"]
-    assert result["ratio"] == result["losses"] == 0
+    assert result["ratio"] == result["losses"] == result["findings"] == 0 and result["ok"]
     assert _left_running(run) == []

@@ -4,6 +4,7 @@ trajectory on without its token arrays, and how replay puts them back."""
 from __future__ import annotations
 
 import pytest
+from confluent_kafka import KafkaError, KafkaException
 from helpers.events import trajectory
 
 from pipeline.analysis.replay_records import ReplayRecord
@@ -31,6 +32,73 @@ def test_offsets_close_together_are_read_as_one_range():
     assert eventref.ranges([9, 1, 3, 3, 2], max_gap=2) == [(1, 3), (9, 9)]
     assert eventref.ranges([1, 300, 600], max_gap=256) == [(1, 1), (300, 300), (600, 600)]
     assert eventref.ranges([], max_gap=1) == []
+
+
+@pytest.mark.parametrize("code", [KafkaError._UNKNOWN_PARTITION, KafkaError._TRANSPORT, KafkaError._TIMED_OUT,
+                                  KafkaError._ALL_BROKERS_DOWN, KafkaError.LEADER_NOT_AVAILABLE,
+                                  KafkaError.NOT_LEADER_FOR_PARTITION, KafkaError.REQUEST_TIMED_OUT])
+def test_what_a_broker_restart_raises_is_retried(code):
+    assert eventref.should_retry(code)
+    assert not eventref.should_retry(code, fatal=True)
+
+
+@pytest.mark.parametrize("code", [KafkaError.OFFSET_OUT_OF_RANGE, KafkaError.MSG_SIZE_TOO_LARGE,
+                                  KafkaError.TOPIC_AUTHORIZATION_FAILED, KafkaError._INVALID_ARG])
+def test_errors_a_retry_cannot_cure_are_raised_unless_librdkafka_calls_them_retriable(code):
+    assert not eventref.should_retry(code)
+    assert eventref.should_retry(code, retriable=True)
+
+
+def test_backoff_doubles_from_a_quarter_second_up_to_five():
+    assert [eventref.backoff_s(n) for n in range(7)] == [0.25, 0.5, 1.0, 2.0, 4.0, 5.0, 5.0]
+
+
+def _transient() -> KafkaException:
+    return KafkaException(KafkaError(KafkaError._UNKNOWN_PARTITION, "Local: Unknown partition"))
+
+
+def test_a_call_failing_transiently_is_retried_until_it_succeeds():
+    now, outcomes = [0.0], [_transient(), _transient(), "read"]
+
+    def call() -> str:
+        outcome = outcomes.pop(0)
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+    def sleep(s: float) -> None:
+        now[0] += s
+
+    assert eventref.retrying(call, "reading", 10.0, clock=lambda: now[0], sleep=sleep) == "read"
+    assert now[0] == 0.75
+
+
+def test_a_broker_down_past_the_outage_deadline_raises_a_clear_error():
+    now, waits = [0.0], []
+
+    def call() -> None:
+        raise _transient()
+
+    def sleep(s: float) -> None:
+        waits.append(s)
+        now[0] += s
+
+    with pytest.raises(eventref.BrokerUnavailable, match=r"reading x: Kafka failed transiently for 2\d s .*Unknown "
+                                                          r"partition.*after 20 s"):
+        eventref.retrying(call, "reading x", 20.0, clock=lambda: now[0], sleep=sleep)
+    assert sum(waits) >= 20.0 and max(waits) == 5.0
+
+
+def test_an_error_that_is_not_transient_is_raised_at_once():
+    calls = []
+
+    def call() -> None:
+        calls.append(1)
+        raise KafkaException(KafkaError(KafkaError.OFFSET_OUT_OF_RANGE, "Broker: Offset out of range"))
+
+    with pytest.raises(KafkaException):
+        eventref.retrying(call, "reading", 60.0, sleep=lambda s: None)
+    assert len(calls) == 1
 
 
 def test_the_aggregator_carries_a_trajectory_on_without_its_arrays_referring_to_its_event():

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from pipeline.bench.faults_logic import (FaultRecord, FaultSchedule, dead_letter_positions, fault_table, redone,
-                                   restarts_per_fault)
+from pipeline.bench.faults_logic import (KILLS, SCALED_DOWN, FaultRecord, FaultSchedule, dead_letter_positions,
+                                         fault_table, redone, restarts_per_fault)
 from schemas import topics
 
 
@@ -99,3 +99,46 @@ def test_restarts_are_counted_in_the_window_of_the_fault_that_caused_them():
     minio = FaultRecord("minio_restart", 10, 2, restarts_before={"learner": 2, "engine-a": 0})
     final = {"learner": 2, "engine-a": 1, "streams": 1}
     assert restarts_per_fault([kafka, minio], final) == [{"learner": 1}, {"engine-a": 1, "streams": 1}]
+
+
+def test_a_process_restarted_during_a_broker_restart_is_a_finding_that_fails_the_run():
+    s = FaultSchedule(["kafka_restart"])
+    kafka = s.injected("kafka_restart", 1, 0, restarts={"learner": 0, "streams": 0})
+    s.observe(2, 30_000)
+    assert kafka.recovered_at_ms is not None and kafka.killed is None  # it recovered, by crashing
+    table = fault_table([kafka], [{}], {"checks": [], "not_checked": {}}, {"learner": 1, "streams": 0})
+    row = table["faults"][0]
+    assert row["restarted"] == {"learner": 1} and row["losses"] == 0
+    assert row["findings"] == ["learner exited during kafka_restart and was restarted: it should ride through it"]
+    assert table["losses"] == 0 and table["findings"] == 1 and table["ratio"] == 1 and not table["ok"]
+
+
+def test_the_process_a_fault_kills_may_restart_once_and_nothing_else_may():
+    s = FaultSchedule(["learner_kill", "engine_kill", "minio_restart"])
+    learner = s.injected("learner_kill", 1, 0, restarts={})
+    s.observe(2, 1_000)
+    engine = s.injected("engine_kill", 2, 2_000, restarts={"learner": 1}, killed="engine-7")
+    s.observe(3, 3_000)
+    minio = s.injected("minio_restart", 3, 4_000, restarts={"learner": 1, "engine-7": 1})
+    s.observe(4, 5_000)
+    assert (learner.killed, engine.killed, minio.killed) == ("learner", "engine-7", None)
+    clean = fault_table([learner, engine, minio], [{}, {}, {}], {"checks": []}, {"learner": 1, "engine-7": 1})
+    assert [r["findings"] for r in clean["faults"]] == [[], [], []] and clean["ok"] and clean["ratio"] == 0
+    # the engine kill also brought the learner down, and the learner crashed again after its own kill
+    s2 = FaultSchedule(["learner_kill", "engine_kill"])
+    learner = s2.injected("learner_kill", 1, 0, restarts={})
+    s2.observe(2, 1_000)
+    engine = s2.injected("engine_kill", 2, 2_000, restarts={"learner": 2}, killed="engine-7")
+    s2.observe(3, 3_000)
+    table = fault_table([learner, engine], [{}, {}], {"checks": []}, {"learner": 3, "engine-7": 1})
+    assert [len(r["findings"]) for r in table["faults"]] == [1, 1]
+    assert "again after its own kill" in table["faults"][0]["findings"][0]
+    assert table["faults"][1]["findings"] == ["learner exited during engine_kill and was restarted: "
+                                              "it should ride through it"]
+    assert table["ratio"] == 2 and not table["ok"]
+
+
+def test_only_process_kills_kill_anything_on_purpose():
+    assert set(KILLS) == {"env_worker_kill", "streams_kill", "learner_kill", "engine_kill"}
+    assert not {"kafka_restart", "minio_restart", "poison_events"} & set(KILLS)
+    assert "kafka_restart" in SCALED_DOWN  # the scaled-down run checks every client rides through a broker restart
