@@ -20,18 +20,22 @@ re-encodes the history and checks two things:
    tokenizer's own encoding of their text: invalid UTF-8 (decoded lossily), a control tag spelled
    out byte by byte, a non-NFC string, or another segmentation of a BPE word. Such a turn is not a
    valid message: the trajectory ends there with status agent_validation_failed (termination
-   `invalid_output`), the sampled ids stay in the record with loss_mask 1 so the punishment
-   trains against them, and the invariant then holds up to the start of that turn only.
+   `invalid_output`), the sampled ids stay in the record with loss_mask 1 so the trajectory's
+   reward trains against them, and the invariant then holds up to the start of that turn only.
+   A turn whose text still parses into calls of the session's tools is counted in the
+   trajectory's `metrics["noncanonical_valid_calls"]`: actions this rule ends although their text
+   is a well-formed call.
 Otherwise the rest of the encoding (what the template writes after the content: eos if the
 engine stopped on length, then the newline) is appended with loss_mask 0. At every turn boundary
 the record equals encode(history), so each environment message's difference is taken against
 it and, by induction, the final history re-encodes to input_ids.
 
-Statuses: the environment's when it finishes the session (completed, task_limit_reached, ...);
-task_limit_reached after max_turns; agent_context_limit when the record cannot fit another turn or
-an environment answer within max_total_len; task_error when the engines stay unreachable after
-retries or the environment raises (infrastructure: not punished, masked out by the learner).
-Every other non-completed status gets reward incomplete_punishment.
+Statuses (env_workers.envs.base.Status): the environment's when it finishes the session
+(completed, task_limit_reached, ...); task_limit_reached after max_turns; agent_context_limit when
+the record cannot fit another turn or an environment answer within max_total_len; task_error when
+the engines stay unreachable after retries or the environment raises (infrastructure: not
+punished, masked out by the learner). A final status in `settings.punished_statuses` (by default
+the turn and length limits) gets reward incomplete_punishment; any other keeps the environment's.
 """
 
 from __future__ import annotations
@@ -40,10 +44,12 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from env_workers.chat_template import ChatEncoder, TemplatePrefixError
 from env_workers.engine_client import EngineError, Generation
+from env_workers.envs.base import Status
 from env_workers.latency import step_delay_s
 from env_workers.settings import AgentLoopSettings
 from env_workers.tool_parser import ParsedMessage, parse_error_message, parse_tool_calls
@@ -52,9 +58,6 @@ from schemas.ids import trajectory_id
 
 log = logging.getLogger(__name__)
 
-COMPLETED = "completed"
-RUNNING = "running"
-TASK_ERROR = "task_error"
 CURRENT_POOL = "current"
 
 # Why the loop stopped (the trajectory's `termination` field).
@@ -98,9 +101,6 @@ class Rollout:
     error: str | None = None
 
 
-
-
-
 def _ms(seconds: float) -> int:
     return int(round(seconds * 1000.0))
 
@@ -126,10 +126,68 @@ class _Record:
 
 @dataclass
 class _Ending:
-    status: str
+    status: Status
     termination: str
     env_reward: float = 0.0
     error: str | None = None
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """One turn's engine answer and where it went: known before the environment sees the turn."""
+
+    turn: int
+    planned_pool: str
+    pool: str
+    generation: Generation
+    start: int
+    """Length of the record before the turn: the prompt the engine got, and the turn's first position."""
+    started: float
+    """Wall time (s) the turn's engine call began."""
+    generate_ms: float
+
+
+@dataclass(frozen=True)
+class TurnRecord:
+    """One finished turn: its sampling and what it led to. The trajectory's `turns` entry and the
+    `step` event (schemas/avro/step.avsc) are both read from it, so the two always agree."""
+
+    sampled: Sampled
+    env_status: Status
+    finish: bool
+    env_ms: float = 0.0
+    parsed: ParsedMessage | None = None
+    """The environment's view of the turn; None for invalid output, which is no message."""
+    reward: float = 0.0
+    env_tokens: int = 0
+    """Tokens of the environment's answer appended after the turn (0 when none follows)."""
+
+    def turn_entry(self) -> dict[str, Any]:
+        """The trajectory's `turns` item."""
+        s, generation = self.sampled, self.sampled.generation
+        return {
+            "turn": s.turn, "pool": s.pool, "engine_id": generation.engine_id,
+            "weight_version": generation.weight_version, "start": s.start,
+            "length": len(generation.token_ids), "generate_ms": s.generate_ms, "env_ms": self.env_ms,
+        }
+
+    def step_event(self, request: Mapping[str, Any], trajectory: str) -> dict[str, Any]:
+        """The `step` event of the turn of `trajectory` (its id) rolled out for `request`."""
+        s, generation = self.sampled, self.sampled.generation
+        calls = self.parsed.tool_calls if self.parsed else []
+        return {
+            "run": request["run"], "trajectory_id": trajectory, "group_id": request["group_id"],
+            "member": request["member"], "task": request["task"], "turn": s.turn,
+            "planned_pool": s.planned_pool, "pool": s.pool, "engine_id": generation.engine_id,
+            "weight_version": generation.weight_version, "prompt_tokens": s.start,
+            "output_ids": pack_ids(generation.token_ids), "output_logprobs": pack_logprobs(generation.logprobs),
+            "finish_reason": generation.finish_reason,
+            "tool_calls": [{"name": c["function"]["name"], "arguments_json": c["function"]["arguments"]} for c in calls],
+            "parse_error": self.parsed.error if self.parsed else None,
+            "env_status": str(self.env_status), "reward": self.reward, "finish": self.finish,
+            "env_tokens": self.env_tokens, "started_at_ms": _ms(s.started), "generate_ms": s.generate_ms,
+            "env_ms": self.env_ms,
+        }
 
 
 class _Loop:
@@ -157,7 +215,8 @@ class _Loop:
         self.turns: list[dict[str, Any]] = []
         self.steps: list[dict[str, Any]] = []
         self.env_metrics: dict[str, float] = {}
-        self.loop_metrics = {"parse_errors": 0.0, "engine_retries": 0.0, "pool_fallbacks": 0.0}
+        self.loop_metrics = {"parse_errors": 0.0, "engine_retries": 0.0, "pool_fallbacks": 0.0,
+                             "noncanonical_valid_calls": 0.0}
 
     # --- one turn's engine call -----------------------------------------------------------------
 
@@ -209,46 +268,40 @@ class _Loop:
 
     # --- events ---------------------------------------------------------------------------------
 
-    def add_step(
-        self,
-        turn: int,
-        planned: str,
-        pool: str,
-        generation: Generation,
-        started: float,
-        generate_ms: float,
-        env_ms: float,
-        parsed: ParsedMessage | None,
-        env_status: str,
-        reward: float,
-        finish: bool,
-        env_tokens: int,
-        prompt_tokens: int,
-        start: int,
-    ) -> None:
-        self.turns.append({
-            "turn": turn, "pool": pool, "engine_id": generation.engine_id,
-            "weight_version": generation.weight_version, "start": start,
-            "length": len(generation.token_ids), "generate_ms": generate_ms, "env_ms": env_ms,
-        })
-        calls = parsed.tool_calls if parsed else []
-        step = {
-            "run": self.request["run"], "trajectory_id": self.id, "group_id": self.request["group_id"],
-            "member": self.request["member"], "task": self.request["task"], "turn": turn,
-            "planned_pool": planned, "pool": pool, "engine_id": generation.engine_id,
-            "weight_version": generation.weight_version, "prompt_tokens": prompt_tokens,
-            "output_ids": pack_ids(generation.token_ids), "output_logprobs": pack_logprobs(generation.logprobs),
-            "finish_reason": generation.finish_reason,
-            "tool_calls": [{"name": c["function"]["name"], "arguments_json": c["function"]["arguments"]} for c in calls],
-            "parse_error": parsed.error if parsed else None,
-            "env_status": env_status, "reward": reward, "finish": finish, "env_tokens": env_tokens,
-            "started_at_ms": _ms(started), "generate_ms": generate_ms, "env_ms": env_ms,
-        }
+    def add_turn(self, record: TurnRecord) -> None:
+        self.turns.append(record.turn_entry())
+        step = record.step_event(self.request, self.id)
         self.steps.append(step)
         if self.on_step is not None:
             self.on_step(step)
 
+    def count_valid_calls_lost(self, parsed: ParsedMessage) -> None:
+        """Counts an invalid-output turn whose text parses into calls of the session's tools."""
+        known = {tool["function"]["name"] for tool in self.tools}
+        calls = parsed.tool_calls
+        if parsed.error is None and calls and all(c["function"]["name"] in known for c in calls):
+            self.loop_metrics["noncanonical_valid_calls"] += 1
+
     # --- the loop -------------------------------------------------------------------------------
+
+    async def sample_turn(self, turn: int, room: int) -> Sampled | str:
+        """Generates turn `turn` within `room` tokens and appends it to the record and the history;
+        the last engine error once retries are spent."""
+        planned = self.plan[turn] if turn < len(self.plan) else CURRENT_POOL
+        started = self.clock()
+        result = await self.generate(planned, min(self.settings.max_new_tokens, room))
+        generate_ms = (self.clock() - started) * 1000.0
+        if isinstance(result, str):
+            return result
+        pool, generation = result
+        if pool != planned:
+            self.loop_metrics["pool_fallbacks"] += 1
+        sampled = Sampled(turn, planned, pool, generation, len(self.record.ids), started, generate_ms)
+        self.record.add_generated(generation.token_ids, generation.logprobs)
+        ids = generation.token_ids
+        content_ids = ids[:-1] if ids[-1] == self.encoder.eos_token_id else ids
+        self.history.append({"role": "assistant", "content": self.encoder.decode(content_ids)})
+        return sampled
 
     async def turns_until_end(self, env: Environment, session: Any) -> _Ending:
         settings = self.settings
@@ -256,76 +309,59 @@ class _Loop:
         for turn in range(settings.max_turns):
             room = settings.max_total_len - len(self.record.ids) - reserve
             if room <= 0:
-                return _Ending("agent_context_limit", MAX_TOTAL_LEN)
-            planned = self.plan[turn] if turn < len(self.plan) else CURRENT_POOL
-            started = self.clock()
-            result = await self.generate(planned, min(settings.max_new_tokens, room))
-            generate_ms = (self.clock() - started) * 1000.0
-            if isinstance(result, str):
-                return _Ending(TASK_ERROR, ENGINE_ERROR, error=result)
-            pool, generation = result
-            if pool != planned:
-                self.loop_metrics["pool_fallbacks"] += 1
-            prompt_tokens = before = len(self.record.ids)
-            self.record.add_generated(generation.token_ids, generation.logprobs)
-            ids = generation.token_ids
-            content_ids = ids[:-1] if ids[-1] == self.encoder.eos_token_id else ids
-            text = self.encoder.decode(content_ids)
-            self.history.append({"role": "assistant", "content": text})
-            step = dict(turn=turn, planned=planned, pool=pool, generation=generation, started=started,
-                        generate_ms=generate_ms, prompt_tokens=prompt_tokens, start=before)
+                return _Ending(Status.AGENT_CONTEXT_LIMIT, MAX_TOTAL_LEN)
+            sampled = await self.sample_turn(turn, room)
+            if isinstance(sampled, str):
+                return _Ending(Status.TASK_ERROR, ENGINE_ERROR, error=sampled)
             if settings.step_latency.enabled:  # a benchmark's slow environment, paid on every turn
                 await self.sleep(step_delay_s(settings.step_latency, self.id, turn))
 
-            if not self.close_turn(before, ids):
-                self.add_step(**step, env_ms=0.0, parsed=None, env_status="agent_validation_failed",
-                              reward=0.0, finish=True, env_tokens=0)
-                return _Ending("agent_validation_failed", INVALID_OUTPUT)
+            parsed = parse_tool_calls(self.history[-1]["content"], call_id_prefix=f"call_{turn}")
+            if not self.close_turn(sampled.start, sampled.generation.token_ids):
+                self.count_valid_calls_lost(parsed)  # the step records no parse: the turn is not a message
+                self.add_turn(TurnRecord(sampled, Status.AGENT_VALIDATION_FAILED, finish=True))
+                return _Ending(Status.AGENT_VALIDATION_FAILED, INVALID_OUTPUT)
 
-            parsed = parse_tool_calls(text, call_id_prefix=f"call_{turn}")
             env_started = self.clock()
             if parsed.error is not None:
                 self.loop_metrics["parse_errors"] += 1
-                new_messages, status, reward, finish = [parse_error_message(parsed.error)], RUNNING, 0.0, False
+                new_messages, status = [parse_error_message(parsed.error)], Status.RUNNING
+                reward, finish = 0.0, False
             else:
                 try:
                     observation = await env.observation(session, parsed.as_openai())
+                    status = Status(observation.status)  # a status outside the enum is the environment's bug
                 except Exception as error:  # the environment broke, not the policy
                     log.exception("trajectory %s: environment failed", self.id)
-                    self.add_step(**step, env_ms=(self.clock() - env_started) * 1000.0, parsed=parsed,
-                                  env_status=TASK_ERROR, reward=0.0, finish=True, env_tokens=0)
-                    return _Ending(TASK_ERROR, ENV_ERROR, error=repr(error))
+                    self.add_turn(TurnRecord(sampled, Status.TASK_ERROR, finish=True, parsed=parsed,
+                                             env_ms=(self.clock() - env_started) * 1000.0))
+                    return _Ending(Status.TASK_ERROR, ENV_ERROR, error=repr(error))
                 self.env_metrics = {k: float(v) for k, v in observation.metrics.items()}
-                new_messages, status = list(observation.messages), str(observation.status)
+                new_messages = list(observation.messages)
                 reward, finish = float(observation.reward), bool(observation.finish)
-            env_ms = (self.clock() - env_started) * 1000.0
+            outcome = partial(TurnRecord, sampled, status, env_ms=(self.clock() - env_started) * 1000.0,
+                              parsed=parsed, reward=reward)
 
             if finish:
-                self.add_step(**step, env_ms=env_ms, parsed=parsed, env_status=status, reward=reward,
-                              finish=True, env_tokens=0)
-                return _Ending(status, ENV_ERROR if status == TASK_ERROR else ENV_FINISHED, env_reward=reward)
+                self.add_turn(outcome(finish=True))
+                return _Ending(status, ENV_ERROR if status == Status.TASK_ERROR else ENV_FINISHED, env_reward=reward)
             if turn == settings.max_turns - 1:
                 # No turn follows: the policy would never read the answer, so it is not recorded.
-                self.add_step(**step, env_ms=env_ms, parsed=parsed, env_status=status, reward=reward,
-                              finish=False, env_tokens=0)
-                return _Ending("task_limit_reached", MAX_TURNS)
+                self.add_turn(outcome(finish=False))
+                return _Ending(Status.TASK_LIMIT_REACHED, MAX_TURNS)
             delta = self.encoder.extension(self.record.ids, [*self.history, *new_messages], self.tools, True)
             if len(self.record.ids) + len(delta) > settings.max_total_len:
-                self.add_step(**step, env_ms=env_ms, parsed=parsed, env_status=status, reward=reward,
-                              finish=False, env_tokens=0)
-                return _Ending("agent_context_limit", MAX_TOTAL_LEN)
+                self.add_turn(outcome(finish=False))
+                return _Ending(Status.AGENT_CONTEXT_LIMIT, MAX_TOTAL_LEN)
             self.record.add_context(delta)
             self.history.extend(new_messages)
-            self.add_step(**step, env_ms=env_ms, parsed=parsed, env_status=status, reward=reward,
-                          finish=False, env_tokens=len(delta))
-        return _Ending("task_limit_reached", MAX_TURNS)
+            self.add_turn(outcome(finish=False, env_tokens=len(delta)))
+        return _Ending(Status.TASK_LIMIT_REACHED, MAX_TURNS)
 
     def trajectory(self, ending: _Ending, worker_id: str, started: float, finished: float) -> dict[str, Any]:
         request = self.request
-        if ending.status in (COMPLETED, TASK_ERROR):
-            reward = ending.env_reward  # task_error: infrastructure, masked out of training, not punished
-        else:
-            reward = self.settings.incomplete_punishment
+        punished = ending.status in self.settings.punished_statuses  # never completed or task_error
+        reward = self.settings.incomplete_punishment if punished else ending.env_reward
         metrics = {**self.env_metrics, **self.loop_metrics}
         score = metrics.get("score")
         return {
@@ -336,7 +372,7 @@ class _Loop:
             "input_ids": pack_ids(self.record.ids), "loss_mask": pack_mask(self.record.mask),
             "rollout_logprobs": pack_logprobs(self.record.logprobs), "arrays_uri": None,
             "num_tokens": len(self.record.ids), "prompt_tokens": self.prompt_tokens, "turns": self.turns,
-            "status": ending.status, "reward": float(reward), "env_reward": float(ending.env_reward),
+            "status": str(ending.status), "reward": float(reward), "env_reward": float(ending.env_reward),
             "termination": ending.termination, "template_fingerprint": self.encoder.fingerprint,
             "worker_id": worker_id, "started_at_ms": _ms(started), "finished_at_ms": _ms(finished),
             "score": score, "metrics": metrics,
@@ -370,7 +406,7 @@ async def run_agent_loop(
             session = await env.start(sample)
         except Exception as error:
             log.exception("trajectory %s: environment failed to start", loop.id)
-            ending = _Ending(TASK_ERROR, ENV_ERROR, error=repr(error))
+            ending = _Ending(Status.TASK_ERROR, ENV_ERROR, error=repr(error))
         else:
             loop.history, loop.tools = list(session.messages), list(session.tools)
             prompt = encoder.encode(loop.history, loop.tools, add_generation_prompt=True)

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from env_workers.envs.base import Status
 from env_workers.latency import StepLatency
+
+LIMIT_STATUSES: tuple[Status, ...] = (Status.AGENT_CONTEXT_LIMIT, Status.TASK_LIMIT_REACHED)
+"""The turn or length limit reached without completion: the default of `punished_statuses`."""
+
+WIDE_PUNISHED_STATUSES: tuple[Status, ...] = tuple(sorted(set(Status) - {Status.COMPLETED, Status.TASK_ERROR}))
+"""Every status but completed and task_error: AgentRL code's rule (any status but completed) less task_error."""
+
+# Never punished: completed is success, task_error an infrastructure failure masked out of training.
+_NEVER_PUNISHED = frozenset({Status.COMPLETED, Status.TASK_ERROR})
 
 
 class AgentLoopSettings(BaseModel):
@@ -21,7 +31,16 @@ class AgentLoopSettings(BaseModel):
     temperature: float = Field(0.8, gt=0.0)
     """AgentRL rollout temperature 0.8."""
     incomplete_punishment: float = -0.2
-    """AgentRL incomplete_punishment -0.2: the reward of a trajectory whose status is not completed (task_error excepted)."""
+    """AgentRL incomplete_punishment -0.2 (AgentRL's code names the setting and reads it from the task config, 0
+    when unset): the reward of a trajectory whose final status is in `punished_statuses`."""
+    punished_statuses: tuple[Status, ...] = LIMIT_STATUSES
+    """Final statuses that get `incomplete_punishment`; any other keeps the environment's reward (0 for a failure).
+    Default, ours: the turn or length limit reached without completion, task_limit_reached (max_turns or a
+    family's round limit) and agent_context_limit. AgentRL's code punishes more: its agent loop replaces the
+    reward by incomplete_punishment whenever the final status is not "completed". `WIDE_PUNISHED_STATUSES` is
+    that rule less task_error; in YAML: `punished_statuses: [agent_context_limit, agent_invalid_action,
+    agent_validation_failed, cancelled, running, task_limit_reached, unknown]`. completed and task_error are
+    refused."""
     engine_retries: int = Field(3, ge=0)
     """Not in the paper: retries of one turn's engine call (same prompt tokens) before the trajectory is a task_error."""
     engine_retry_backoff_s: float = Field(0.5, ge=0.0)
@@ -30,3 +49,12 @@ class AgentLoopSettings(BaseModel):
     """Not in the paper: one completion request's timeout (1024 tokens on a busy CPU engine take minutes)."""
     step_latency: StepLatency = StepLatency()
     """Not in the paper: delay added to every environment step, for benchmarks (off by default)."""
+
+    @field_validator("punished_statuses")
+    @classmethod
+    def _a_set_of_failures(cls, statuses: tuple[Status, ...]) -> tuple[Status, ...]:
+        refused = sorted(_NEVER_PUNISHED.intersection(statuses))
+        if refused:
+            raise ValueError(f"{', '.join(refused)} cannot be punished: completed is success, task_error an "
+                             f"infrastructure failure masked out of training")
+        return tuple(sorted(set(statuses)))  # one spelling per set: equal settings compare (and hash) equal

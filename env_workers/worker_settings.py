@@ -16,7 +16,7 @@ class EnvWorkerSettings(BaseModel):
     group_id: str = "rollstream-env-workers"
     """Not in the paper: prefix of the one Kafka consumer group (`<prefix>.<run>`) every env worker of a run joins on `tasks`."""
     max_concurrency: int = Field(64, ge=1)
-    """AgentRL rollout concurrency is 2048 across the cluster; this is one worker's share of agent loops at once."""
+    """Ours: agent loops one worker runs at once (AgentRL's rollout concurrency, 2048, is the whole cluster's)."""
     engine_urls: dict[str, list[str]] = Field(default_factory=dict)
     """Not in the paper: static engines by pool ({"current": [url, ...], "stale": [...]}); empty = from `engines` heartbeats."""
     model: str | None = None
@@ -36,6 +36,6 @@ class EnvWorkerSettings(BaseModel):
     poll_interval_s: float = Field(0.05, gt=0.0)
     """Not in the paper: idle wait of the consume loop between polls."""
     agent_loop: AgentLoopSettings = AgentLoopSettings()
-    """The agent loop's limits and sampling (AgentRL defaults)."""
+    """The agent loop's limits, sampling and punishment rule (each default says where it comes from)."""
     env: EnvSettings = EnvSettings()
     """Task data location and per-family round limits."""

@@ -181,7 +181,7 @@ def test_tasks_become_trajectories_and_steps_with_deterministic_ids_and_committe
         assert t["status"] in DOCUMENTED and t["template_fingerprint"] == encoder.fingerprint
         ids, mask = unpack_ids(t["input_ids"]), unpack_mask(t["loss_mask"])
         assert len(ids) == len(mask) == t["num_tokens"]
-        assert t["reward"] == (t["env_reward"] if t["status"] in ("completed", "task_error") else -0.2)
+        assert t["reward"] == (-0.2 if t["status"] in LOOP.punished_statuses else t["env_reward"])
     # The plan asked for the stale pool on turns 0 and 2; only a current engine exists: recorded fallback.
     first_turns = [s for s in turns if s["turn"] == 0]
     assert first_turns and all(s["planned_pool"] == "stale" and s["pool"] == "current" for s in first_turns)

@@ -18,7 +18,9 @@ import pytest
 from env_workers.agent_loop import Rollout, run_agent_loop, trajectory_id
 from env_workers.chat_template import ChatEncoder, TemplatePrefixError
 from env_workers.engine_client import EngineError, Generation, completion_request, parse_completion
-from env_workers.settings import AgentLoopSettings
+from env_workers.envs.base import Status
+from env_workers.settings import LIMIT_STATUSES, WIDE_PUNISHED_STATUSES, AgentLoopSettings
+from pipeline.run.config import settings_json
 from pipeline.policy.model_init import build_tokenizer
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
 from schemas.codec import codec
@@ -193,6 +195,45 @@ def test_incomplete_status_gets_the_incomplete_punishment(encoder):
     assert (t["status"], t["reward"], t["env_reward"]) == ("task_limit_reached", -0.2, 0.0)
 
 
+DEFAULT_PUNISHED = {Status.TASK_LIMIT_REACHED, Status.AGENT_CONTEXT_LIMIT}
+WIDE = AgentLoopSettings(engine_retry_backoff_s=0.0, punished_statuses=WIDE_PUNISHED_STATUSES)
+
+
+@pytest.mark.parametrize("status", list(Status), ids=str)
+def test_by_default_only_the_turn_and_length_limits_are_punished(encoder, status):
+    # An environment reward no rule produces (not 0, not the punishment) shows which one applied.
+    env = FakeEnv(rounds=1, final_status=status, final_reward=0.25)
+    t = run(encoder, env, ScriptedEngine(encoder, [CALL])).trajectory
+    assert t["status"] == status and t["env_reward"] == 0.25
+    assert t["reward"] == (-0.2 if status in DEFAULT_PUNISHED else 0.25)
+
+
+@pytest.mark.parametrize("status", list(Status), ids=str)
+def test_the_wide_set_punishes_every_status_but_completed_and_task_error(encoder, status):
+    t = run(encoder, FakeEnv(rounds=1, final_status=status, final_reward=0.25), ScriptedEngine(encoder, [CALL]),
+            WIDE).trajectory
+    assert t["status"] == status
+    assert t["reward"] == (0.25 if status in (Status.COMPLETED, Status.TASK_ERROR) else -0.2)
+
+
+def test_punished_statuses_default_to_the_limits_and_a_listing_in_any_order_is_the_same_setting():
+    assert set(AgentLoopSettings().punished_statuses) == DEFAULT_PUNISHED == set(LIMIT_STATUSES)
+    listed = AgentLoopSettings(punished_statuses=["task_limit_reached", "agent_context_limit", "task_limit_reached"])
+    assert listed == AgentLoopSettings() and hash(listed) == hash(AgentLoopSettings())
+
+
+@pytest.mark.parametrize("status", ["completed", "task_error"])
+def test_success_and_infrastructure_failure_cannot_be_punished(status):
+    with pytest.raises(ValueError, match=f"{status} cannot be punished"):
+        AgentLoopSettings(punished_statuses=["task_limit_reached", status])
+
+
+def test_punished_statuses_survive_a_child_process_settings_file():
+    written = json.loads(settings_json(WIDE))
+    assert written["punished_statuses"] == sorted(s.value for s in WIDE_PUNISHED_STATUSES)
+    assert AgentLoopSettings(**written) == WIDE
+
+
 def test_max_turns_ends_with_task_limit_reached_and_the_last_answer_unrecorded(encoder):
     settings = AgentLoopSettings(max_turns=3, engine_retry_backoff_s=0.0)
     rollout = run(encoder, FakeEnv(rounds=100), ScriptedEngine(encoder, [CALL]), settings)
@@ -297,10 +338,30 @@ def test_non_canonical_output_ends_as_agent_validation_failed_and_keeps_its_toke
     t = rollout.trajectory
     ids, mask, _ = arrays(rollout)
     last = t["turns"][-1]
-    assert (t["status"], t["termination"], t["reward"]) == ("agent_validation_failed", "invalid_output", -0.2)
+    # Not a limit: by default it keeps the environment's reward (0 here), the wide set punishes it.
+    assert (t["status"], t["termination"], t["reward"]) == ("agent_validation_failed", "invalid_output", 0.0)
     assert ids[last["start"]:] == [*bad_ids, eos] and mask[last["start"]:] == [1] * (len(bad_ids) + 1)
     # The invariant holds up to the start of the invalid turn.
     assert encoder.encode(rollout.messages[:-1], TOOLS, True) == ids[:last["start"]]
+    assert run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [CALL, [*bad_ids, eos]]), WIDE).trajectory[
+        "reward"] == -0.2
+
+
+def test_a_valid_tool_call_sampled_in_non_canonical_tokens_is_ended_and_counted(encoder):
+    spelled_out = [ord(c) for c in CALL]  # the call's text byte by byte: a valid call, not its canonical ids
+    assert spelled_out != encoder.encode_text(CALL)
+    rollout = run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [CALL, [*spelled_out, encoder.eos_token_id]]))
+    t = rollout.trajectory
+    assert t["status"] == "agent_validation_failed" and t["metrics"]["noncanonical_valid_calls"] == 1.0
+    assert rollout.steps[-1]["tool_calls"] == [] and rollout.steps[-1]["parse_error"] is None
+
+
+def test_non_canonical_output_that_is_no_valid_call_is_not_counted(encoder):
+    unknown_tool = [ord(c) for c in CALL.replace('"add"', '"mul"')]
+    for output in ([0xFF, 0xFE], unknown_tool):
+        rollout = run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [[*output, encoder.eos_token_id]]))
+        t = rollout.trajectory
+        assert t["status"] == "agent_validation_failed" and t["metrics"]["noncanonical_valid_calls"] == 0.0
 
 
 def test_turn_provenance_records_planned_and_actual_pool_engine_and_version(encoder):
@@ -320,6 +381,16 @@ def test_turn_provenance_records_planned_and_actual_pool_engine_and_version(enco
                                                                 ("current", "current")]
     assert rollout.trajectory["metrics"]["pool_fallbacks"] == 1.0
     assert all(t["generate_ms"] > 0 and t["env_ms"] > 0 for t in turns)
+
+
+def test_each_turn_entry_agrees_with_its_step_event(encoder):
+    rollout = run(encoder, FakeEnv(rounds=3), ScriptedEngine(encoder, [CALL]), task=make_task(["stale", "current"]))
+    for turn, step in zip(rollout.trajectory["turns"], rollout.steps, strict=True):
+        assert (turn["turn"], turn["pool"], turn["engine_id"], turn["weight_version"], turn["start"]) == (
+            step["turn"], step["pool"], step["engine_id"], step["weight_version"], step["prompt_tokens"])
+        assert (turn["length"], turn["generate_ms"], turn["env_ms"]) == (
+            len(unpack_ids(step["output_ids"])), step["generate_ms"], step["env_ms"])
+        assert type(step["env_status"]) is str
 
 
 def test_steps_are_reported_as_each_turn_finishes(encoder):
