@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import re
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -60,6 +61,10 @@ class AlfworldSettings(BaseModel):
     """AgentBench: the same action three times in a row is a failure (agent invalid action)."""
     pool_size: int = 16
     """Idle game environments kept per process for reuse (no paper default)."""
+    simple_seed: int = 7
+    """Seed of the simple tier's train/held-out draw (the data README's Random(7) convention)."""
+    simple_dev_share: float = 1 / 3
+    """Share of each simple game type's shipped games held out in simple-dev (no paper default)."""
 
 
 GAMES_DIR = "alfworld_games"
@@ -129,6 +134,26 @@ def load(path: Path) -> list[dict[str, Any]]:
     split = json.loads(path.read_text(encoding="utf-8"))
     games = [games_root / relative for paths in split.values() for relative in paths]
     return [_sample(game) for game in games if game.is_file()]
+
+
+# The easy tier: the two game types of shortest walkthroughs (3 to 6 steps; the others take 4 to 9).
+SIMPLE_TYPES = ("pick_and_place_simple", "look_at_obj_in_light")
+SIMPLE_SPLITS = ("simple-train", "simple-dev")
+
+
+def generate(split: str, settings: EnvSettings, alfworld: AlfworldSettings | None = None) -> list[dict[str, Any]]:
+    """The simple tier: every shipped game of SIMPLE_TYPES, split per type into train and held-out dev by a
+    seeded shuffle (the same in every process), each part in path order."""
+    alfworld = alfworld or AlfworldSettings()
+    games = load(settings.data_root / GAMES_DIR)
+    chosen: list[dict[str, Any]] = []
+    for task_type in SIMPLE_TYPES:
+        of_type = [g for g in games if g["task_type"] == task_type]
+        order = list(range(len(of_type)))
+        random.Random(f"alfworld-simple/{alfworld.simple_seed}/{task_type}").shuffle(order)
+        held_out = set(order[:round(len(of_type) * alfworld.simple_dev_share)])
+        chosen += [g for i, g in enumerate(of_type) if (i in held_out) == (split == "simple-dev")]
+    return chosen
 
 
 class GamePool:
@@ -276,7 +301,9 @@ FAMILY = Family(
     name="alfworld",
     make=make,
     load=load,
-    splits={split: (f"{SPLIT_DIR}/{split}.json",) for split in ("dev", "standard", "new_std")},
+    splits={**{split: (f"{SPLIT_DIR}/{split}.json",) for split in ("dev", "standard", "new_std")},
+            **{split: () for split in SIMPLE_SPLITS}},
     golden=golden,
     noop=noop,
+    generate=generate,
 )

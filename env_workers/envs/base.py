@@ -111,6 +111,12 @@ class EnvSettings(BaseModel):
     """Password of that account (infra/mariadb.sh's MARIADB_PASSWORD)."""
     db_mysql_user_connections: int = Field(2, ge=1)
     """Connections one session's user may hold at once (no paper default: one, plus one for a reconnect)."""
+    db_tier_seed: int = 7
+    """Seed of the generated db tiers (db_tiers.py: easy-*, two-table-*; the data README's Random(7) convention)."""
+    db_tier_train_tasks: int = Field(800, ge=1)
+    """Generated tasks in each db tier's train split (no paper default: many hundreds, the issue asks)."""
+    db_tier_dev_tasks: int = Field(100, ge=1)
+    """Generated tasks in each db tier's held-out dev split (none shares its prompt and tables with train)."""
     kg_rounds: int = 15
     """AgentBench KG: 15 rounds."""
     calc_rounds: int = 8
@@ -134,6 +140,12 @@ class EnvSettings(BaseModel):
     """Splits whose operation counts differ from calc_operations, e.g. {rl: [3, 3], dev: [3, 3]}: RL and its
     validation on longer expressions than the demonstrations, where a fine-tuned policy still fails often enough
     for GRPO groups to differ."""
+    os_tier_seed: int = 7
+    """Seed of the generated os easy tier (os_tiers.py: easy-train, easy-dev)."""
+    os_tier_train_tasks: int = Field(600, ge=1)
+    """Generated shell tasks in the os easy-train split (no paper default)."""
+    os_tier_dev_tasks: int = Field(60, ge=1)
+    """Generated shell tasks in the os easy-dev split (none is word for word an easy-train task)."""
     os_sandbox: SandboxSettings = SandboxSettings()
     """The os family's sandbox backend and limits (AgentBench: Docker containers, 30 s per command)."""
 

@@ -351,11 +351,22 @@ def noop(task: Mapping[str, Any]) -> Policy:
     return lambda history: assistant_call("commit_final_answer", {"answers": []})
 
 
+def generate(split: str, settings: EnvSettings) -> list[dict[str, Any]]:
+    """The generated tier splits (db_tiers.py, imported here because it builds its tasks with this module)."""
+    from env_workers.envs import db_tiers
+
+    return db_tiers.generate(split, settings)
+
+
+TIER_SPLITS = ("easy-train", "easy-dev", "two-table-train", "two-table-dev")  # db_tiers.split_names()
+
 FAMILY = Family(
     name="db",
     make=make,
     load=load,
-    splits={"dev": ("agentbench/dbbench/dev.jsonl",), "standard": ("agentbench/dbbench/standard.jsonl",)},
+    splits={"dev": ("agentbench/dbbench/dev.jsonl",), "standard": ("agentbench/dbbench/standard.jsonl",),
+            **{split: () for split in TIER_SPLITS}},
     golden=golden,
     noop=noop,
+    generate=generate,
 )

@@ -295,6 +295,8 @@ FAMILY = Family(
     splits={
         "train": tuple(f"metaqa/{hop}-hop/qa_train.txt" for hop in (1, 2, 3)),
         "dev": tuple(f"metaqa/{hop}-hop/qa_dev.txt" for hop in (1, 2, 3)),
+        # The easy tiers: one hop, then two (issue 21); same questions as in train/dev, by hop count.
+        **{f"{hop}hop-{part}": (f"metaqa/{hop}-hop/qa_{part}.txt",) for hop in (1, 2) for part in ("train", "dev")},
     },
     golden=golden,
     noop=noop,

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from env_workers.envs import os_oracle
+from env_workers.envs import os_oracle, os_tiers
 from env_workers.envs.base import (
     EnvSettings,
     Environment,
@@ -159,9 +159,11 @@ FAMILY = Family(
     name="os",
     make=make,
     load=load_tasks,
-    splits={"test": TEST_FILES, "train": (f"{DATA}/train_0317/training.json",)},
+    splits={"test": TEST_FILES, "train": (f"{DATA}/train_0317/training.json",),
+            **{split: () for split in os_tiers.SPLITS}},
     golden=os_oracle.golden,
     noop=os_oracle.noop,
+    generate=os_tiers.generate,
 )
 
 __all__ = ["FAMILY", "OsEnvironment", "make"]

@@ -16,7 +16,8 @@ that share a term with the query are hits, as in Lucene. Tokens are lowercased a
 Data: WebShop's own files (items_shuffle*.json, items_ins_v2*.json, items_human_ins.json and,
 when present, reviews.json, same schema as upstream) from a directory given to `load` (e.g.
 `rollstream env check --family webshop --data DIR`), human goals as upstream builds them. They are
-absent here, so the family's registered splits ("generated-dev", "generated-train") play a
+absent here, so the family's registered splits ("generated-dev", "generated-train", and the easy tier's
+"generated-easy-dev", "generated-easy-train": one attribute and one option per goal) play a
 GENERATED catalog and goal set of the same schema (webshop_catalog.py): results on it are not
 WebShop results. A sample names its catalog ("generated:<seed>" or a directory); catalogs are
 built once per process.
@@ -77,6 +78,10 @@ class WebshopSettings(BaseModel):
     """Generated goals (no paper default)."""
     dev_goals: int = 20
     """Generated goals in generated-dev; the rest are generated-train."""
+    easy_goals: int = 300
+    """Goals of the easy tier (one attribute, one option each) on the same generated products (at most `products`)."""
+    easy_dev_goals: int = 50
+    """Easy goals in generated-easy-dev; the rest are generated-easy-train."""
 
 
 SEARCH_RETURN_N = 50  # engine.py
@@ -86,6 +91,7 @@ GOAL_SHUFFLE_SEED = 233  # web_agent_text_env.py: random.seed(233); random.shuff
 END_BUTTON, NEXT_PAGE, PREV_PAGE, BACK_TO_SEARCH = "Buy Now", "Next >", "< Prev", "Back to Search"
 SUB_PAGES = ("Description", "Features", "Reviews")
 GENERATED = "generated"
+GENERATED_EASY = "generated-easy"  # the same products, single-attribute single-option goals
 
 INSTRUCTIONS = """You are web shopping. I will give you instructions about what to do. You have to follow the instructions.
 Every round I will give you an observation and a list of available actions, you have to respond with an action based on the state and instruction.
@@ -188,12 +194,13 @@ def _read_json(directory: Path, pattern: str, required: bool = True) -> Any:
 
 @cache
 def catalog(source: str) -> Catalog:
-    """The catalog a sample names: "generated:<seed>:<products>:<goals>", or a directory of WebShop's files."""
-    if source.startswith(GENERATED + ":"):
-        seed, products, goals = (int(x) for x in source.split(":")[1:])
+    """The catalog a sample names: "generated[-easy]:<seed>:<products>:<goals>", or a directory of WebShop's files."""
+    kind, _, numbers = source.partition(":")
+    if kind in (GENERATED, GENERATED_EASY) and numbers:
+        seed, products, goals = (int(x) for x in numbers.split(":"))
         log.warning("webshop: playing the GENERATED stand-in catalog (%d products, %d goals, seed %d), "
                     "not WebShop's data", products, goals, seed)
-        return build_catalog(webshop_catalog.generate(seed, products, goals), seed)
+        return build_catalog(webshop_catalog.generate(seed, products, goals, easy=kind == GENERATED_EASY), seed)
     directory = Path(source)
     raw = {"products": _read_json(directory, "items_shuffle*.json"),
            "attributes": _read_json(directory, "items_ins_v2*.json"),
@@ -409,18 +416,23 @@ def _samples(source: str, goals: Sequence[Mapping[str, Any]], prefix: str, start
     return [{"id": f"{prefix}/{start + i}", "catalog": source, "goal": dict(goal)} for i, goal in enumerate(goals)]
 
 
-def generated_source(webshop: WebshopSettings) -> str:
+def generated_source(webshop: WebshopSettings, easy: bool = False) -> str:
+    if easy:
+        return f"{GENERATED_EASY}:{webshop.seed}:{webshop.products}:{webshop.easy_goals}"
     return f"{GENERATED}:{webshop.seed}:{webshop.products}:{webshop.goals}"
 
 
 def generate(split: str, settings: EnvSettings, webshop: WebshopSettings | None = None) -> list[dict[str, Any]]:
-    """The generated stand-in splits: generated-dev (the first dev_goals goals) and generated-train."""
+    """The generated stand-in splits: generated-dev (the first dev_goals goals) and generated-train; the easy
+    tier's generated-easy-dev (the first easy_dev_goals easy goals) and generated-easy-train."""
     webshop = webshop or WebshopSettings()
-    source = generated_source(webshop)
+    easy = split.startswith(GENERATED_EASY + "-")
+    source = generated_source(webshop, easy)
     goals = catalog(source).goals
-    if split == "generated-dev":
-        return _samples(source, goals[:webshop.dev_goals], split)
-    return _samples(source, goals[webshop.dev_goals:], split, start=webshop.dev_goals)
+    dev = webshop.easy_dev_goals if easy else webshop.dev_goals
+    if split.endswith("-dev"):
+        return _samples(source, goals[:dev], split)
+    return _samples(source, goals[dev:], split, start=dev)
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -483,7 +495,7 @@ FAMILY = Family(
     name="webshop",
     make=make,
     load=load,
-    splits={"generated-dev": (), "generated-train": ()},
+    splits={split: () for split in ("generated-dev", "generated-train", "generated-easy-dev", "generated-easy-train")},
     golden=golden,
     noop=noop,
     generate=generate,

@@ -124,17 +124,25 @@ def _product(rng: random.Random, asin: str) -> tuple[dict[str, Any], dict[str, A
     return product, {"attributes": attributes}, kind
 
 
-def _instruction(rng: random.Random, product: dict[str, Any], attributes: list[str], kind: Kind) -> dict[str, Any]:
-    wanted = rng.sample(attributes, rng.randint(1, min(2, len(attributes))))
-    chosen = {k.lower(): rng.choice(vs)["value"] for k, vs in product["customization_options"].items()}
+def _instruction(rng: random.Random, product: dict[str, Any], attributes: list[str], kind: Kind,
+                 easy: bool = False) -> dict[str, Any]:
+    """A human-style goal for the product: one or two of its attributes and a value of each option; `easy`: one
+    attribute and one option's value (the easy tier)."""
+    wanted = rng.sample(attributes, 1 if easy else rng.randint(1, min(2, len(attributes))))
+    options = product["customization_options"]
+    if easy:
+        name = rng.choice(sorted(options))
+        options = {name: options[name]}
+    chosen = {k.lower(): rng.choice(vs)["value"] for k, vs in options.items()}
     option_text = " and ".join(f"{k} {v}" for k, v in chosen.items())
     text = f"i am looking for a {' and '.join(wanted)} {kind.noun} in {option_text}"
     return {"asin": product["asin"], "instruction": text, "instruction_attributes": wanted,
             "instruction_options": list(chosen.values())}
 
 
-def generate(seed: int, products: int, goals: int) -> dict[str, Any]:
-    """The four upstream files' contents: {products, attributes, human_instructions, reviews}."""
+def generate(seed: int, products: int, goals: int, easy: bool = False) -> dict[str, Any]:
+    """The four upstream files' contents: {products, attributes, human_instructions, reviews}. `easy` keeps the
+    same products (drawn first) and gives single-attribute, single-option goals."""
     rng = random.Random(f"webshop-catalog/{seed}")
     asins: list[str] = []
     while len(asins) < products:  # distinct ids, drawn in order
@@ -152,5 +160,5 @@ def generate(seed: int, products: int, goals: int) -> dict[str, Any]:
     instructions = {}
     for product in rng.sample(rows, goals):
         asin = product["asin"]
-        instructions[asin] = [_instruction(rng, product, attributes[asin]["attributes"], kinds[asin])]
+        instructions[asin] = [_instruction(rng, product, attributes[asin]["attributes"], kinds[asin], easy)]
     return {"products": rows, "attributes": attributes, "human_instructions": instructions, "reviews": reviews}

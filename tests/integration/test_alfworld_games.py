@@ -29,6 +29,14 @@ def test_walkthrough_wins_and_noop_fails_on_one_game_of_each_task_type() -> None
                       "failing_ids": []}
 
 
+@pytest.mark.parametrize("split, games", [("simple-dev", 10), ("simple-train", 20)])
+def test_walkthrough_wins_and_noop_fails_on_every_game_of_the_simple_tier(split: str, games: int) -> None:
+    family = registry.family("alfworld")
+    result = asyncio.run(check_family(family, family.make(SETTINGS), registry.samples("alfworld", split, SETTINGS)))
+    assert result == {"family": "alfworld", "tasks": games, "golden_pass": games, "noop_pass": 0, "errors": 0,
+                      "failing_ids": []}
+
+
 def test_concurrent_sessions_of_different_games_start_and_leave_stdout_alone() -> None:
     import sys
 

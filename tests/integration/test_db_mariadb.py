@@ -120,6 +120,13 @@ def test_golden_passes_198_of_200_standard_tasks_on_mariadb_and_noop_none(mariad
                                            "errors": 0, "failing_ids": ["standard-151", "standard-186"]}
 
 
+@pytest.mark.parametrize("split", ["easy-dev", "two-table-dev"])
+def test_golden_passes_every_generated_tier_task_on_mariadb_and_noop_none(mariadb: EnvSettings, split: str) -> None:
+    # The tiers' answer_md5 come from SQLite: the server's own hash of the edited tables must agree.
+    assert _check(mariadb, split) == {"family": "db", "tasks": 100, "golden_pass": 100, "noop_pass": 0, "errors": 0,
+                                      "failing_ids": []}
+
+
 def test_server_table_hash_equals_python_hash_of_the_same_rows(mariadb: EnvSettings) -> None:
     backend = MysqlBackend.from_settings(mariadb)
     tasks = [t for t in registry.samples("db", "dev", SQLITE) if db.is_modification(t)]

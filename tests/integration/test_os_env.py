@@ -77,6 +77,13 @@ def test_golden_passes_and_noop_fails_on_all_os_tasks_under_bwrap() -> None:
     assert noop_passes == set()
 
 
+@pytest.mark.parametrize("split, tasks", [("easy-dev", 60), ("easy-train", 600)])
+def test_golden_passes_and_noop_fails_on_every_generated_easy_task_under_bwrap(split: str, tasks: int) -> None:
+    samples = list(registry.samples("os", split, EnvSettings()))
+    assert len(samples) == tasks
+    assert _check(SandboxSettings(backend="bwrap"), samples) == (set(), set())
+
+
 def test_golden_passes_and_noop_fails_on_all_os_tasks_under_docker() -> None:
     """Docker's writable layer (bounded by a tmpfs) lets init scripts write to /, /usr and /etc."""
     subprocess.run([REPO_ROOT / "infra" / "sandbox" / "dockerd.sh", "start"], check=True)

@@ -60,6 +60,19 @@ def test_splits_keep_agentbench_order_filtered_to_shipped_games() -> None:
     assert first["task_type"] == "pick_and_place_simple" and first["game"].endswith("game.tw-pddl")
 
 
+def test_the_simple_tier_splits_the_two_shortest_game_types_by_a_seeded_draw() -> None:
+    train = registry.samples("alfworld", "simple-train", SETTINGS)
+    dev = registry.samples("alfworld", "simple-dev", SETTINGS)
+    assert (len(train), len(dev)) == (20, 10)
+    every = {s["id"] for s in alfworld.load(GAMES) if s["task_type"] in alfworld.SIMPLE_TYPES}
+    assert {s["id"] for s in train} | {s["id"] for s in dev} == every and not {s["id"] for s in train} & {
+        s["id"] for s in dev}
+    assert [s["task_type"] for s in dev].count("pick_and_place_simple") == 6
+    assert alfworld.generate("simple-dev", SETTINGS) == list(dev)
+    other = alfworld.generate("simple-dev", SETTINGS, alfworld.AlfworldSettings(simple_seed=8))
+    assert {s["id"] for s in other} != {s["id"] for s in dev}
+
+
 def test_three_repeats_rule_counts_only_consecutive_identical_actions() -> None:
     assert alfworld.repeated(["look", "look", "look"], 3)
     assert not alfworld.repeated(["look", "inventory", "look", "look"], 3)

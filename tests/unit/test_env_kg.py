@@ -55,6 +55,24 @@ def test_golden_passes_all_900_dev_questions_and_noop_none() -> None:
                       "failing_ids": []}
 
 
+@pytest.mark.parametrize("split, hops", [("1hop-dev", 1), ("2hop-dev", 2)])
+def test_each_hop_tier_is_one_hop_count_of_the_dev_questions_and_passes_the_check(split: str, hops: int) -> None:
+    samples = registry.samples("kg", split, SETTINGS)
+    assert len(samples) == 300 and all(s["id"].startswith(f"{hops}-hop/qa_dev/") for s in samples)
+    assert all(s["qtype"].count("_to_") == hops for s in samples)
+    family = registry.family("kg")
+    result = asyncio.run(check_family(family, family.make(SETTINGS), samples))
+    assert result == {"family": "kg", "tasks": 300, "golden_pass": 300, "noop_pass": 0, "errors": 0,
+                      "failing_ids": []}
+
+
+def test_hop_tiers_train_on_the_train_questions_only() -> None:
+    for hops in (1, 2):
+        train = registry.samples("kg", f"{hops}hop-train", SETTINGS)
+        assert len(train) == 3000 and all(s["id"].startswith(f"{hops}-hop/qa_train/") for s in train)
+    assert {"1hop-train", "1hop-dev", "2hop-train", "2hop-dev"} <= set(registry.split_names("kg"))
+
+
 def test_questions_load_with_topic_qtype_and_answers() -> None:
     first = registry.samples("kg", "dev", SETTINGS)[0]
     assert first["id"] == "1-hop/qa_dev/0"

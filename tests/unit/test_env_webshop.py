@@ -68,7 +68,28 @@ def test_generated_catalog_is_deterministic_labelled_and_in_upstream_schema() ->
     instruction = next(iter(first["human_instructions"].values()))[0]
     assert set(instruction) >= {"instruction", "instruction_attributes", "instruction_options"}
     assert "GENERATED" in webshop_catalog.__doc__ and "GENERATED" in webshop.__doc__
-    assert registry.split_names("webshop") == ["generated-dev", "generated-train"]
+    assert registry.split_names("webshop") == ["generated-dev", "generated-easy-dev", "generated-easy-train",
+                                               "generated-train"]
+
+
+def test_golden_buys_every_easy_goal_and_noop_none() -> None:
+    family = registry.family("webshop")
+    environment = family.make(SETTINGS)
+    for split, tasks in (("generated-easy-dev", 50), ("generated-easy-train", 250)):
+        result = asyncio.run(check_family(family, environment, registry.samples("webshop", split, SETTINGS)))
+        assert result == {"family": "webshop", "tasks": tasks, "golden_pass": tasks, "noop_pass": 0, "errors": 0,
+                          "failing_ids": []}
+
+
+def test_easy_goals_want_one_attribute_and_one_option_of_the_same_products() -> None:
+    easy = registry.samples("webshop", "generated-easy-dev", SETTINGS)
+    assert all(len(s["goal"]["attributes"]) == 1 and len(s["goal"]["goal_options"]) == 1 for s in easy)
+    assert webshop_catalog.generate(7, 300, 300, easy=True)["products"] == webshop_catalog.generate(7, 300, 100)["products"]
+    assert webshop_catalog.generate(7, 300, 300, easy=True) == webshop_catalog.generate(7, 300, 300, easy=True)
+    other = webshop.generate("generated-easy-dev", SETTINGS, webshop.WebshopSettings(seed=8))
+    assert [s["goal"]["asin"] for s in other] != [s["goal"]["asin"] for s in easy]
+    dev = {s["goal"]["asin"] for s in easy}
+    assert not dev & {s["goal"]["asin"] for s in registry.samples("webshop", "generated-easy-train", SETTINGS)}
 
 
 def test_upstream_files_in_a_directory_load_as_the_same_goals(tmp_path: Path) -> None:
