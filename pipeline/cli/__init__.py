@@ -1,13 +1,13 @@
-"""The `rollstream` command line.
+"""The `rollstream` command line: argument parsing only, the work is done by the library subpackages.
 
 Every subcommand lives in its own module and is registered here. Conventions (STYLE.md):
 machine-readable output with `--json` on stdout, progress and logs on stderr, a user mistake
-ends in one line and a non-zero exit, and each command's help shows an example.
+ends in one line and a non-zero exit (pipeline/cli/toolkit.py: the options every command shares,
+`fail`, the exit codes), and each command's help shows an example. Nothing outside the CLI imports
+a module of this package.
 """
 
 from __future__ import annotations
-
-import typer
 
 from pipeline.bench import bus as bench_bus
 from pipeline.bench import envs as bench_envs
@@ -31,15 +31,14 @@ from pipeline.cli import report as report_cmd
 from pipeline.cli import smoke
 from pipeline.cli import streams as streams_cmd
 from pipeline.cli import up as up_cmd
+from pipeline.cli.toolkit import ROOT, App
 
-app = typer.Typer(
-    name="rollstream",
+app = App(
+    name=ROOT,
     help="Reinforcement learning for LLM agents as an event-streaming dataflow on Apache Kafka.",
     no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
 )
-bench_app = typer.Typer(help="Benchmarks: each prints a table, or one JSON object with --json.", no_args_is_help=True)
+bench_app = App(help="Benchmarks: each prints a table, or one JSON object with --json.", no_args_is_help=True)
 
 app.add_typer(infra_cmd.app, name="infra")
 app.add_typer(bench_app, name="bench")
@@ -67,7 +66,7 @@ app.add_typer(replay_cmd.app, name="replay")
 
 
 def main() -> None:
-    app()
+    app(prog_name=ROOT)
 
 
 if __name__ == "__main__":

@@ -7,38 +7,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import typer
 
+from pipeline.cli.toolkit import App, fail
 from streams.advantages import grpo_advantages, task_normalize
 from streams.settings import StdKind, StreamsSettings
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = App()
 
 _FIELDS = ("rewards", "group_ids", "task_ids", "loss_masks")
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"rollstream advantages: {message}", err=True)
-    raise typer.Exit(code=1)
 
 
 def _read(path: Path) -> dict[str, list[Any]]:
     try:
         data = json.loads(path.read_text())
     except OSError as e:
-        _fail(f"cannot read {path}: {e.strerror}")
+        fail(f"cannot read {path}: {e.strerror}")
     except json.JSONDecodeError as e:
-        _fail(f"{path} is not JSON: {e}")
+        fail(f"{path} is not JSON: {e}")
     if not isinstance(data, dict):
-        _fail(f"{path} must hold one JSON object with {', '.join(_FIELDS)}")
+        fail(f"{path} must hold one JSON object with {', '.join(_FIELDS)}")
     missing = [f for f in _FIELDS if not isinstance(data.get(f), list)]
     if missing:
-        _fail(f"{path} lacks the list(s) {', '.join(missing)}")
+        fail(f"{path} lacks the list(s) {', '.join(missing)}")
     lengths = {f: len(data[f]) for f in _FIELDS}
     if len(set(lengths.values())) != 1:
-        _fail("one entry per trajectory expected, got " + ", ".join(f"{k} {v}" for k, v in lengths.items()))
+        fail("one entry per trajectory expected, got " + ", ".join(f"{k} {v}" for k, v in lengths.items()))
     return data
 
 
@@ -47,6 +43,8 @@ def advantages(
     input_path: Path = typer.Option(..., "--input", help="JSON object with rewards, group_ids, task_ids, loss_masks."),
     std: StdKind = typer.Option(StreamsSettings().std, help="Std of GRPO and task normalization: bessel or population."),
     eps: float = typer.Option(StreamsSettings().eps, help="Added to every std."),
+    task_adv_norm: bool = typer.Option(StreamsSettings().task_adv_norm, help="Normalize per task (AgentRL's "
+                                       "task_adv_norm); off: final advantages are the GRPO ones."),
 ) -> None:
     """Print GRPO advantages, per-task token stats and final advantages as one JSON object.
 
@@ -60,9 +58,10 @@ def advantages(
     data = _read(input_path)
     try:
         grpo = grpo_advantages(data["rewards"], data["group_ids"], std=std, eps=eps)
-        final, stats = task_normalize(grpo, data["task_ids"], data["loss_masks"], std=std, eps=eps)
+        final, stats = task_normalize(grpo, data["task_ids"], data["loss_masks"], std=std, eps=eps,
+                                      normalize=task_adv_norm)
     except (TypeError, ValueError) as e:
-        _fail(f"invalid input: {e}")
+        fail(f"invalid input: {e}")
     task_stats = {str(task): {"mean": s.mean_before, "std": s.std_before, "tokens": s.tokens,
                               "trajectories": s.trajectories, "mean_after": s.mean_after,
                               "std_after": s.std_after} for task, s in stats.items()}

@@ -19,10 +19,10 @@ from rich.table import Table
 from env_workers.envs import registry
 from env_workers.envs.base import EnvSettings
 from env_workers.envs.check import check_family
+from pipeline.cli.toolkit import App, ConfigOption, JsonOption, QuietOption, fail
 from pipeline.run.config import load_config
 
-app = typer.Typer(help="Task environments: checks of their data and graders.", no_args_is_help=True)
-
+app = App(name="env", help="Task environments: checks of their data and graders.", no_args_is_help=True)
 
 
 @app.callback()
@@ -30,26 +30,21 @@ def env() -> None:
     """Task environments: checks of their data and graders."""
 
 
-def _fail(message: str) -> None:
-    typer.echo(f"rollstream env check: {message}", err=True)
-    raise typer.Exit(code=2)
-
-
 def _samples(name: str, data: Path | None, split: str | None, settings: EnvSettings) -> list[dict[str, Any]]:
     if (data is None) == (split is None):
-        _fail("give exactly one of --data PATH or --split NAME")
+        fail("give exactly one of --data PATH or --split NAME")
     try:
         family = registry.family(name)
         if data is not None:
             if not data.exists():
-                _fail(f"no such data file: {data}")
+                fail(f"no such data file: {data}")
             try:
                 return family.load(data)
             except (OSError, ValueError, KeyError, TypeError) as error:
-                _fail(f"cannot read {data} as {name} data: {error!r}")
+                fail(f"cannot read {data} as {name} data: {error!r}")
         return list(registry.samples(name, split, settings))
     except registry.UnknownFamily as error:
-        _fail(str(error))
+        fail(str(error))
     raise AssertionError("unreachable")
 
 
@@ -70,14 +65,15 @@ def check(
     data: Path | None = typer.Option(None, "--data", help="A data file in the family's shipped format."),
     split: str | None = typer.Option(None, "--split", help="A registry split instead of a file (e.g. calc's dev)."),
     limit: int | None = typer.Option(None, "--limit", min=1, help="Check only the first N tasks."),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of a table."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress bar."),
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
+    quiet: QuietOption = False,
 ) -> None:
     """Runs every task twice through the environment API, golden and no-op; reports unfit tasks.
 
     Example: rollstream env check --family db --data ../shared/data/agentbench/dbbench/dev.jsonl --json
     """
-    settings = load_config().envs
+    settings = load_config(config).envs
     samples = _samples(family, data, split, settings)[:limit]
     spec = registry.family(family)
     env = spec.make(settings)

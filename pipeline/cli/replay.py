@@ -8,19 +8,17 @@ import sys
 from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import NoReturn
 
-import click
 import typer
 from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
+from typer._click import Command, Context
 from typer.core import TyperGroup
 
 from pipeline.analysis.replay import (
     SUFFIXES,
     VERIFY_TOPICS,
-    Fetch,
     ReplayError,
     read_run,
     read_topic,
@@ -29,9 +27,9 @@ from pipeline.analysis.replay import (
 )
 from pipeline.analysis.replay_records import Bound, ReplayStats
 from pipeline.analysis.replay_verify import VerifyReport, VerifySettings, verify
+from pipeline.cli.toolkit import CHECK_FAILED, App, ConfigOption, JsonOption, RunOption, fail
 from pipeline.run.config import load_config
 from schemas import topics
-from schemas.settings import KafkaSettings
 from streams.settings import StdKind
 
 _TOPIC_COMMAND = "topic"
@@ -42,15 +40,13 @@ class _ReplayGroup(TyperGroup):
     the topic command under the name TOPIC, which it reads back from its context, so its usage line
     reads `rollstream replay TOPIC [OPTIONS]`. The topic command itself rejects an unknown topic."""
 
-    def resolve_command(self, ctx: click.Context,
-                        args: list[str]) -> tuple[str | None, click.Command | None, list[str]]:
+    def resolve_command(self, ctx: Context, args: list[str]) -> tuple[str | None, Command | None, list[str]]:
         if args and args[0] not in self.commands:
             return args[0], self.commands[_TOPIC_COMMAND], args[1:]
         return super().resolve_command(ctx, args)
 
 
-app = typer.Typer(cls=_ReplayGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
-                  subcommand_metavar="TOPIC|verify [ARGS]...")
+app = App(name="replay", cls=_ReplayGroup, no_args_is_help=True, subcommand_metavar="TOPIC|verify [ARGS]...")
 
 
 @app.callback()
@@ -67,33 +63,13 @@ def replay() -> None:
     """
 
 
-def _fail(message: str, code: int = 1) -> NoReturn:
-    typer.echo(f"rollstream replay: {message}", err=True)
-    raise typer.Exit(code=code)
-
-
-def _kafka(config: Path | None) -> KafkaSettings:
-    try:
-        return load_config(config).kafka
-    except (OSError, ValueError) as e:
-        _fail(f"configuration: {e}", 2)
-
-
-def _fetch(config: Path | None) -> Fetch:
-    """Reads claim-checked events (batches too large for one message) from the run's object store."""
-    try:
-        return store_fetch(load_config(config).object_store)
-    except (OSError, ValueError) as e:
-        _fail(f"configuration: {e}", 2)
-
-
 def _bound(option: str, text: str | None) -> Bound | None:
     if text is None:
         return None
     try:
         return Bound.parse(text)
     except ValueError as e:
-        _fail(f"{option}: {e}", 2)
+        fail(f"{option}: {e}")
 
 
 class _Progress:
@@ -130,26 +106,27 @@ def replay_topic(
     start: str | None = typer.Option(None, "--from", help="First offset (in every partition) or ISO-8601 time, "
                                      "inclusive."),
     end: str | None = typer.Option(None, "--to", help="End offset (in every partition) or ISO-8601 time, exclusive."),
-    config: Path | None = typer.Option(None, help="YAML run configuration (broker, object store)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
 ) -> None:
+    cfg = load_config(config)
     topic = ctx.info_name or ""
     if topic not in topics.EVENT_OF_TOPIC:
-        _fail(f"unknown topic {topic!r}; topics: {', '.join(topics.ALL_TOPICS)}", 2)
+        fail(f"unknown topic {topic!r}; topics: {', '.join(topics.ALL_TOPICS)}")
     bad = [str(p) for p in out if p.suffix not in SUFFIXES]
     if bad:
-        _fail(f"--out must end in .parquet or .jsonl: {', '.join(bad)}", 2)
+        fail(f"--out must end in .parquet or .jsonl: {', '.join(bad)}")
     start_bound, end_bound = _bound("--from", start), _bound("--to", end)
-    kafka = _kafka(config)
     stats, progress = ReplayStats(), _Progress()
-    records = read_topic(kafka, topic, run=run, start=start_bound, end=end_bound, stats=stats,
-                         progress=partial(progress, topic), fetch=_fetch(config))
+    # Claim-checked events (batches too large for one message) are read from the run's object store.
+    records = read_topic(cfg.kafka, topic, run=run, start=start_bound, end=end_bound, stats=stats,
+                         progress=partial(progress, topic), fetch=store_fetch(cfg.object_store))
     try:
         rows = write_records(records, topic, out)
     except ReplayError as e:
-        _fail(str(e))
+        fail(str(e), CHECK_FAILED)
     except OSError as e:
-        _fail(f"cannot write: {e}")
+        fail(f"cannot write: {e}")
     finally:
         progress.close()
     _report_undecodable(stats)
@@ -182,12 +159,12 @@ def _report_undecodable(stats: ReplayStats) -> None:
 
 @app.command("verify")
 def replay_verify(
-    run: str = typer.Option(..., help="Run to verify."),
+    run: RunOption,
     start: str | None = typer.Option(None, "--from", help="Read from this ISO-8601 time (or offset) instead of each "
                                      "topic's beginning: the run's start time spares reading older runs."),
     std: StdKind = typer.Option(VerifySettings().std, help="Std of GRPO and task normalization the run used."),
-    config: Path | None = typer.Option(None, help="YAML run configuration (broker, object store)."),
-    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object."),
+    config: ConfigOption = None,
+    as_json: JsonOption = False,
 ) -> None:
     """Recompute a run's GRPO and task-normalized advantages and token invariants from its topics;
     print each check and every mismatch; exit 1 when there is any.
@@ -196,14 +173,14 @@ def replay_verify(
 
         rollstream replay verify --run r1 --json
     """
+    cfg = load_config(config)
     start_bound = _bound("--from", start)
-    kafka = _kafka(config)
     stats, progress = ReplayStats(), _Progress()
     try:
-        records = read_run(kafka, run, VERIFY_TOPICS, start=start_bound, stats=stats, progress=progress,
-                           fetch=_fetch(config))
+        records = read_run(cfg.kafka, run, VERIFY_TOPICS, start=start_bound, stats=stats, progress=progress,
+                           fetch=store_fetch(cfg.object_store))
     except ReplayError as e:
-        _fail(str(e))
+        fail(str(e), CHECK_FAILED)
     finally:
         progress.close()
     _report_missing_payloads(stats)
@@ -213,7 +190,7 @@ def replay_verify(
     else:
         _print(report)
     if not report.ok:
-        raise typer.Exit(code=1)
+        raise typer.Exit(code=CHECK_FAILED)
 
 
 def _print(report: VerifyReport) -> None:

@@ -1,66 +1,26 @@
-"""`rollstream report`: rebuild a run's report folder from its topics alone (pipeline/analysis/report.py)."""
+"""`rollstream report`: rebuild a run's report folder from its topics alone (pipeline/analysis/run_report.py)."""
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
-from pipeline.analysis.report import build_report, format_change
-from pipeline.run.config import RollstreamConfig, load_config
-from schemas import topics
-
-# What the report reads; engines, tasks and dlq add nothing to it.
-REPORT_TOPICS = (topics.TRAJECTORIES, topics.STEPS, topics.GROUPS, topics.BATCHES, topics.WEIGHTS,
-                 topics.METRICS, topics.TASKS_REQUESTED)
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"rollstream report: {message}", err=True)
-    raise typer.Exit(code=1)
-
-
-def events_from_records(records: Mapping[str, Iterable[Any]]) -> dict[str, list[dict[str, Any]]]:
-    """topic -> event dicts: each replayed record's decoded value plus its Kafka `_timestamp_ms`."""
-    return {topic: [{**r.value, "_timestamp_ms": r.timestamp_ms} for r in recs] for topic, recs in records.items()}
-
-
-def _ci(p: Mapping[str, Any] | None) -> str:
-    if p is None:
-        return "—"
-    return (f"r{p['round']}: {p['successes']}/{p['episodes']} = {100 * p['rate']:.1f}% "
-            f"[{100 * p['ci95'][0]:.1f}, {100 * p['ci95'][1]:.1f}]")
-
-
-def _change(change: Mapping[str, Any] | None) -> str:
-    return "—" if change is None else f"{format_change(change)} ({change['samples']} samples)"
-
-
-def print_summary(summary: Mapping[str, Any], out_dir: Path, console: Console) -> None:
-    """The human view of summary.json: run facts, then held-out success per task."""
-    console.print(f"run {summary['run']}: {summary['duration_s']:.0f} s, {summary['learner_steps']} learner steps, "
-                  f"{summary['trajectories']} trajectories; report in {out_dir}")
-    table = Table("task", "before (round: successes/episodes = rate [95% CI])", "after",
-                  "change, paired per sample [95% CI]", "verdict",
-                  title="Held-out success, first vs last validation round")
-    for task, row in summary["tasks"].items():
-        table.add_row(task, _ci(row["before"]), _ci(row["after"]), _change(row.get("change")), row["verdict"])
-    console.print(table)
+from pipeline.analysis.run_report import NoEvents, print_summary, write_report
+from pipeline.cli.toolkit import App, ConfigOption, JsonOption, QuietOption, RunOption, fail
+from pipeline.run.config import load_config
 
 
 def report(
-    run: str = typer.Option(..., help="Run id whose events to read."),
+    run: RunOption,
     out: Path | None = typer.Option(None, help="Report folder (default runs/RUN)."),
-    config: Path | None = typer.Option(None, help="YAML run configuration (broker); also shown in the report."),
+    config: ConfigOption = None,
     since: str | None = typer.Option(None, "--from", help="Read from this ISO time or offset (default: the topics' start)."),
-    quiet: bool = typer.Option(False, "--quiet", help="No progress on stderr."),
-    as_json: bool = typer.Option(False, "--json", help="Print summary.json on stdout instead of the table."),
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Rebuild the report of a run (report.md, summary.json, PNG figures) from its topics alone:
     works on a live run, a finished one, and after the processes that wrote it are gone.
@@ -75,41 +35,12 @@ def report(
         summary = write_report(cfg, run, out_dir, progress=not quiet and sys.stderr.isatty(),
                                show_config=config is not None, since=since)
     except (NoEvents, ValueError) as e:
-        _fail(str(e))
+        fail(str(e))
     if as_json:
         typer.echo(json.dumps(summary))
     else:
         print_summary(summary, out_dir, Console())
 
 
-class NoEvents(ValueError):
-    """The run has no events to report on."""
-
-
-def write_report(cfg: RollstreamConfig, run: str, out_dir: Path, *, progress: bool = False,
-                 show_config: bool = True, since: str | None = None) -> dict[str, Any]:
-    """Reads the run's topics (from `since`, an ISO time or offset, when given: topics shared by many
-    runs are long) and builds its report in out_dir; returns summary.json's content."""
-    from pipeline.analysis.replay import (  # lazily: Kafka clients load only for this command
-        Bound,
-        ReplayError,
-        read_topic,
-    )
-
-    start = Bound.parse(since) if since else None
-    records = {}
-    for topic in REPORT_TOPICS:
-        try:
-            records[topic] = list(read_topic(cfg.kafka, topic, run=run, start=start))
-        except ReplayError as e:
-            raise NoEvents(str(e)) from None
-        if progress:
-            typer.echo(f"{topic}: {len(records[topic])} events of run {run}", err=True)
-    events = events_from_records(records)
-    if not any(events.values()):
-        raise NoEvents(f"run {run!r} has no events on {', '.join(REPORT_TOPICS)}")
-    return build_report(events, out_dir, run, config=cfg.model_dump(mode="json") if show_config else None)
-
-
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+app = App()
 app.command()(report)

@@ -7,18 +7,17 @@ from the options; the broker comes from the run configuration (pipeline/run/conf
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 from pydantic import ValidationError
 
-from pipeline.run.config import load_config
-from streams.app import COMPONENTS, WorkerSettings
-from streams.settings import StdKind, StreamsSettings
+from pipeline.cli.toolkit import CHECK_FAILED, App, ConfigOption, SettingsOption, fail
+from pipeline.run.config import load_config, validation_message
+from streams.app import COMPONENTS
+from streams.settings import StdKind, StreamsSettings, WorkerSettings
 from streams.worker import PartitionsMismatch, run_worker
 
-app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, no_args_is_help=True,
-                  help="The Faust stream processor.")
+app = App(name="streams", no_args_is_help=True, help="The Faust stream processor.")
 
 _S = StreamsSettings()
 _W = WorkerSettings()
@@ -29,23 +28,18 @@ def streams() -> None:
     """The Faust stream processor: router, group aggregator, batcher, metrics."""
 
 
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"rollstream streams: {message}", err=True)
-    raise typer.Exit(code=1)
-
-
 def build_settings(**fields: object) -> StreamsSettings:
     """StreamsSettings from the given fields; a one-line user error when they do not validate."""
     try:
         return StreamsSettings(**fields)
     except ValidationError as e:
-        _fail("; ".join(f"{'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()))
+        fail(validation_message(e))
 
 
 @app.command("worker")
 def worker(
     app_id: str = typer.Option(_W.app_id, help="Faust app id: consumer group, internal topics, changelogs."),
-    config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
+    config: ConfigOption = None,
     datadir: Path = typer.Option(_W.datadir, help="Faust data directory."),
     components: str = typer.Option(",".join(COMPONENTS), help="Comma-separated jobs to run here."),
     web_port: int = typer.Option(_W.web_port, help="Port of the JSON metrics view."),
@@ -61,8 +55,7 @@ def worker(
     from_now: bool = typer.Option(False, "--from-now", help="A new app id skips the history of the data topics."),
     loglevel: str = typer.Option("WARNING", help="Log level of the worker."),
     run: str | None = typer.Option(None, "--run", help="Serve only this run's events (default: every run)."),
-    settings_file: Path | None = typer.Option(None, "--settings", help="StreamsSettings as JSON (what `rollstream up` "
-                                              "passes); replaces the individual settings options."),
+    settings_file: SettingsOption = None,
     batch_offload_bytes: int = typer.Option(_W.batch_offload_bytes, help="An encoded batch above this size goes to "
                                             "the object store (claim check)."),
 ) -> None:
@@ -72,15 +65,16 @@ def worker(
 
         rollstream streams worker --app-id rollstream-streams --batch-size 256 --web-port 6066
     """
+    loaded = load_config(config)
     chosen = [c.strip() for c in components.split(",") if c.strip()]
     unknown = sorted(set(chosen) - set(COMPONENTS))
     if unknown or not chosen:
-        _fail(f"unknown components {unknown}; choose from {', '.join(COMPONENTS)}")
+        fail(f"unknown components {unknown}; choose from {', '.join(COMPONENTS)}")
     if settings_file is not None:
         try:
             settings = StreamsSettings.model_validate_json(settings_file.read_text())
         except (OSError, ValidationError) as e:
-            _fail(f"--settings {settings_file}: {e}")
+            fail(f"--settings {settings_file}: {validation_message(e) if isinstance(e, ValidationError) else e}")
     else:
         settings = build_settings(group_size=group_size, batch_size=batch_size, first_batch_factor=first_batch_factor,
                                   min_members=min_members, group_timeout_s=group_timeout_s, std=std)
@@ -90,13 +84,12 @@ def worker(
                                          metrics_interval_s=metrics_interval_s,
                                          batch_offload_bytes=batch_offload_bytes)
     except ValidationError as e:
-        _fail(str(e.errors()[0]["msg"]))
-    loaded = load_config(config)
+        fail(validation_message(e))
     try:
         run_worker(loaded.kafka, settings, worker_settings, chosen, loglevel, from_now=from_now,
                    store=loaded.object_store)
     except PartitionsMismatch as e:
-        _fail(str(e))
+        fail(str(e), CHECK_FAILED)
 
 
 if __name__ == "__main__":

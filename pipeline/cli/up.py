@@ -9,30 +9,28 @@ import typer
 from pydantic import ValidationError
 from rich.console import Console
 
-from pipeline.run.config import RollstreamConfig, load_config
+from pipeline.cli.toolkit import CHECK_FAILED, INTERRUPTED, ConfigOption, JsonOption, fail
+from pipeline.run.config import RollstreamConfig, load_config, validation_message
 from pipeline.run.up import RunFailed, default_run_id, run_up, summary_json
 
 
 def _config(path: Path | None, max_steps: int | None) -> RollstreamConfig:
-    try:
-        cfg = load_config(path)
-        if max_steps is not None:
-            cfg = cfg.replaced(max_steps=max_steps)
+    cfg = load_config(path)
+    if max_steps is None:
         return cfg
-    except (ValidationError, ValueError, OSError) as e:
-        message = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()) \
-            if isinstance(e, ValidationError) else str(e)
-        typer.echo(f"rollstream up: invalid configuration: {message}", err=True)
-        raise typer.Exit(code=2) from None
+    try:
+        return cfg.replaced(max_steps=max_steps)
+    except ValidationError as e:
+        fail(f"--max-steps {max_steps}: {validation_message(e)}")
 
 
 def up(
-    config: Path | None = typer.Option(None, "--config", help="YAML run configuration (see configs/)."),
+    config: ConfigOption = None,
     run: str = typer.Option("", "--run", help="Run id (default: run-<date>-<time>); a new id starts a new run."),
     max_steps: int | None = typer.Option(None, "--max-steps", help="Override the configured learner steps."),
     report: bool = typer.Option(True, "--report/--no-report", help="Build runs/<run>/ report at the end."),
     live: bool = typer.Option(True, "--live/--no-live", help="Live progress screen on stderr."),
-    as_json: bool = typer.Option(False, "--json", help="At the end, one JSON summary on stdout."),
+    as_json: JsonOption = False,
 ) -> None:
     """Train one run end to end: policy, engines, Faust worker, env workers, learner, dispatcher;
     live progress; final validation; the report; then everything stopped (also on Ctrl-C).
@@ -45,10 +43,9 @@ def up(
     try:
         summary = run_up(cfg, run, console=console, live=live and sys.stderr.isatty())
     except RunFailed as error:
-        console.print(f"[red]rollstream up: run {run} failed:[/red] {error}")
-        raise typer.Exit(code=1) from None
+        fail(f"run {run} failed: {error}", CHECK_FAILED)
     if report:
-        from pipeline.cli.report import NoEvents, print_summary, write_report  # matplotlib only for a report
+        from pipeline.analysis.run_report import NoEvents, print_summary, write_report  # matplotlib only for a report
 
         try:
             report_summary = write_report(cfg, run, Path(summary["run_dir"]), since=summary["started_at"])
@@ -63,4 +60,4 @@ def up(
     else:
         console.print(f"run {run}: {summary['outcome']} in {summary['duration_s']:.0f} s; folder {summary['run_dir']}")
     if summary["outcome"] == "interrupted":
-        raise typer.Exit(code=130)
+        raise typer.Exit(code=INTERRUPTED)

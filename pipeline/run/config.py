@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import PositiveInt, BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import PositiveInt, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from env_workers.envs.base import EnvSettings
@@ -26,6 +26,12 @@ from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.settings import StreamsSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class ConfigError(ValueError):
+    """The configuration cannot be built: a missing or unreadable file, YAML that is not a mapping, or a
+    value that does not validate. Its message is one line naming the file and the field, so that every
+    command reports it the same way (pipeline/cli/toolkit.py)."""
 
 
 class PolicySettings(BaseModel):
@@ -137,6 +143,9 @@ class RollstreamConfig(BaseSettings):
     """Times `rollstream up` restarts a process that died on its own (the learner with --resume); 0 ends the run."""
     runs_dir: Path = Path("runs")
     """Where each run's folder (logs, report, figures) is written."""
+    connect_timeout_s: float = Field(10.0, gt=0)
+    """How long a command that only reads the services (`infra status`) waits for Kafka and the object
+    store to answer before it reports them unreachable."""
 
     def run_dir(self, run: str) -> Path:
         """runs/<run>/: a relative runs_dir is taken from the repository root, not the working directory."""
@@ -217,15 +226,44 @@ def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
 
 def load_config(path: Path | None = None) -> RollstreamConfig:
     """Builds the configuration: ROLLSTREAM_ environment variables over the infrastructure
-    scripts' variables over a YAML file over the defaults."""
+    scripts' variables over a YAML file over the defaults. Raises ConfigError, with one line naming
+    the file and the field, for anything wrong with either source."""
+    where = f"configuration {path}" if path is not None else "configuration (environment)"
     data: dict[str, Any] = {}
     if path is not None:
-        loaded = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ValueError(f"{path}: the configuration must be a YAML mapping")
-        data = loaded
-    return RollstreamConfig(**_merge(data, _infra_env()))
+        data = _read_yaml(Path(path), where)
+    try:
+        return RollstreamConfig(**_merge(data, _infra_env()))
+    except ValidationError as error:
+        raise ConfigError(f"{where}: {validation_message(error)}") from None
 
+
+def _read_yaml(path: Path, where: str) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{where}: no such file") from None
+    except OSError as error:
+        raise ConfigError(f"{where}: cannot read it: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{where}: not valid YAML{at}: {getattr(error, 'problem', None) or error}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{where}: the configuration must be a YAML mapping")
+    return loaded
+
+
+def validation_message(error: ValidationError) -> str:
+    """A pydantic error as one line: each bad field's dotted location and what is wrong with it."""
+    parts = []
+    for err in error.errors():
+        location = ".".join(str(part) for part in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")  # the value itself is left out: it may be a secret
+        parts.append(f"{location}: {message}" if location else message)
+    return "; ".join(parts).replace("\n", " ")
 
 
 def _plain(value: Any) -> Any:

@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from pipeline.cli import dispatch as dispatch_cmd
 from pipeline.dispatch import logic
 from pipeline.dispatch.dispatcher import run_dispatcher
+from pipeline.dispatch.sources import parse_sources
 from schemas import samples, topics
 from schemas.bus import EventProducer, now_ms
 
@@ -49,7 +50,7 @@ def test_restarted_dispatcher_neither_redispatches_nor_skips(infra):
     reader.poll(1.0)
     reader.close()
     training = _groups(reader, False)
-    sources = dispatch_cmd.parse_sources("calc,db:dev", "train")
+    sources = parse_sources("calc,db:dev", "train")
     want = [logic.slot_at(sources, k) for k in range(5)]
     assert sorted(training) == sorted(logic.group_id(run, s.task, s.split, s.sample_index, s.epoch) for s in want)
     assert all(sorted(r["member"] for r in rs) == [0, 1] for rs in training.values())  # each exactly once

@@ -19,7 +19,7 @@ from learner.manifest import decode_version
 from learner.process import LearnerLoop, ReferenceMismatch, ResumeError, batch_items
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
-from pipeline.cli.learner import load_policy
+from pipeline.policy.loading import load_policy
 from schemas import arrays, eventref, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.eventref import EventFetcher, EventMissing
@@ -167,7 +167,7 @@ def test_learner_command_refuses_a_directory_without_a_model_in_one_line(tmp_pat
     from pipeline.cli import learner as learner_cmd
 
     result = CliRunner().invoke(learner_cmd.app, ["--run", "r", "--model", str(tmp_path)])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.output.strip() == f"rollstream learner: {tmp_path} is not a Hugging Face checkpoint directory (no config.json)"
 
 

@@ -18,7 +18,7 @@ from learner.checkpoint import TrainingState
 from learner.process import Published, batch_items, plan_resume
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
-from pipeline.cli.learner import load_policy
+from pipeline.policy.loading import load_policy
 from schemas import objectstore
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

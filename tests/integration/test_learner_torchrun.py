@@ -19,7 +19,7 @@ from learner.process import batch_items
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.engine.launch import free_port
-from pipeline.cli.learner import load_policy
+from pipeline.policy.loading import load_policy
 from schemas import objectstore
 
 pytestmark = pytest.mark.integration

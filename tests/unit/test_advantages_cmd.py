@@ -49,13 +49,13 @@ def test_population_option_reproduces_its_reference(tmp_path):
 ])
 def test_bad_input_is_one_line_and_nonzero_exit(tmp_path, data, message):
     result = run(tmp_path, data)
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert message in result.stderr and result.stderr.count("\n") == 1 and result.stdout == ""
 
 
 def test_missing_file_is_a_user_error(tmp_path):
     result = CliRunner().invoke(app, ["--input", str(tmp_path / "absent.json")])
-    assert result.exit_code == 1 and "cannot read" in result.stderr
+    assert result.exit_code == 2 and "cannot read" in result.stderr
 
 
 def test_help_shows_an_example():

@@ -66,4 +66,4 @@ def test_kafka_settings_become_each_clients_own_names():
 def test_dispatch_refuses_weights_in_one_line_before_touching_the_broker(weights, message):
     result = CliRunner().invoke(app, ["dispatch", "--run", "r", "--families", "calc,os", "--max-groups", "1",
                                       "--weights", weights])
-    assert result.exit_code == 1 and message in result.output
+    assert result.exit_code == 2 and message in result.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typer.testing import CliRunner
 
 from pipeline import cli
-from pipeline.cli.eval import validation_sources
+from pipeline.run.eval import validation_sources
 from pipeline.policy.sft import EVAL_SPLITS
 
 

@@ -1,10 +1,10 @@
-"""The payload bucket's expiration, derived from the `batches` topic's retention (pipeline/cli/infra.py)."""
+"""The payload bucket's expiration, derived from the `batches` topic's retention (pipeline/run/infra.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from pipeline.cli.infra import expiration_days
+from pipeline.run.infra import expiration_days
 
 
 @pytest.mark.parametrize("retention_ms,days", [

@@ -448,7 +448,7 @@ def test_output_that_is_neither_parquet_nor_jsonl_is_refused(tmp_path):
 def test_unreadable_bound_is_one_line_and_exit_2(tmp_path):
     result = CliRunner().invoke(app, ["steps", "--from", "soon", "--out", str(tmp_path / "s.jsonl")])
     assert result.exit_code == 2
-    assert result.stderr == "rollstream replay: --from: 'soon' is neither an offset nor an ISO-8601 time\n"
+    assert result.stderr == "rollstream replay steps: --from: 'soon' is neither an offset nor an ISO-8601 time\n"
 
 
 @pytest.mark.parametrize("args, example", [

@@ -25,8 +25,8 @@ from pipeline.analysis.report import (
     training_turns,
     trajectory_versions,
 )
+from pipeline.analysis.run_report import events_from_records, print_summary
 from pipeline.cli.report import app as report_app
-from pipeline.cli.report import events_from_records, print_summary
 from pipeline.analysis.replay_records import ReplayRecord
 from schemas import arrays, codec, topics
 from schemas.ids import batch_id, group_id, trajectory_id

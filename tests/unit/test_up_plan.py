@@ -15,7 +15,7 @@ from env_workers.worker_settings import EnvWorkerSettings
 from learner.settings import LearnerSettings
 from pipeline import cli
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config, write_config, write_private
-from pipeline.cli.dispatch import parse_limit, parse_sources
+from pipeline.dispatch.sources import parse_limit, parse_sources
 from pipeline.run.plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
                               learner_child, streams_child)
 from streams.settings import StreamsSettings

@@ -1,0 +1,86 @@
+"""What every `rollstream` command shares: its option definitions, and one way to fail.
+
+Exit codes: 0 done, BAD_INPUT (2) for a usage or input mistake (options, files, the configuration, or
+services the configuration names that cannot be reached), CHECK_FAILED (1) for a check or run that
+failed, INTERRUPTED (130) after Ctrl-C. A failure is one line on stderr, `rollstream <command>: what
+is wrong`, never a traceback: `fail` prints it, and every command built by `App` (a `Command`)
+turns the errors that library code raises for a bad configuration or an unreachable service into
+the same line, so no command handles them itself.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from confluent_kafka import KafkaException
+from typer._click import Context
+from typer._click.globals import get_current_context  # typer carries its own click: its context stack
+from typer.core import TyperCommand
+
+from pipeline.run.config import ConfigError
+from pipeline.run.infra import Unreachable
+
+CHECK_FAILED = 1
+BAD_INPUT = 2
+INTERRUPTED = 130
+ROOT = "rollstream"
+
+ConfigOption = Annotated[Path | None, typer.Option(
+    "--config", help="YAML run configuration (configs/); ROLLSTREAM_ environment variables override it.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="One JSON object on stdout.")]
+RunOption = Annotated[str, typer.Option("--run", help="Run id: stamped on every event of the run.")]
+QuietOption = Annotated[bool, typer.Option("--quiet", help="No progress on stderr.")]
+SettingsOption = Annotated[Path | None, typer.Option(
+    "--settings", help="The component's settings as JSON (what `rollstream up` passes); replaces the "
+                       "individual settings options.")]
+ModelOption = Annotated[Path, typer.Option("--model", help="Hugging Face checkpoint directory of the policy.")]
+
+
+def command_name(ctx: Context | None) -> str:
+    """`rollstream env check` for the command of `ctx`, also when a test invokes a sub-app on its own."""
+    chain: list[Context] = []
+    while ctx is not None:
+        chain.append(ctx)
+        ctx = ctx.parent
+    if not chain:
+        return ROOT
+    chain.reverse()
+    parts = [c.info_name or "" for c in chain[1:]]
+    root = chain[0].command.name
+    if root and root != ROOT:  # a sub-app invoked by itself: its own name stands for the root's
+        parts.insert(0, root)
+    return " ".join([ROOT, *parts])
+
+
+def fail(message: str, code: int = BAD_INPUT) -> NoReturn:
+    """Ends the command: `rollstream <command>: message` on stderr and exit `code`."""
+    typer.echo(f"{command_name(get_current_context(silent=True))}: {message}", err=True)
+    raise typer.Exit(code=code)
+
+
+class Command(TyperCommand):
+    """A command that reports a bad configuration or an unreachable service in one line (BAD_INPUT)."""
+
+    def invoke(self, ctx: Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except (ConfigError, Unreachable) as error:
+            message = str(error)
+        except KafkaException as error:  # the broker refused or could not be reached
+            message = f"Kafka: {error.args[0].str() if error.args else error}"
+        typer.echo(f"{command_name(ctx)}: {message}", err=True)
+        raise typer.Exit(code=BAD_INPUT)
+
+
+class App(typer.Typer):
+    """A Typer app whose commands are `Command`s; tracebacks are never shown (one line instead)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("add_completion", False)
+        kwargs.setdefault("pretty_exceptions_enable", False)
+        super().__init__(**kwargs)
+
+    def command(self, name: str | None = None, *, cls: type[TyperCommand] | None = None, **kwargs: Any) -> Any:
+        return super().command(name, cls=cls or Command, **kwargs)

@@ -1,0 +1,229 @@
+"""One inference engine's supervisor, what `rollstream engine` runs: it starts vLLM's OpenAI server
+with the rollstream pieces (pipeline/engine/server.py) as a child process, publishes heartbeats to
+`engines` (pipeline/engine/heartbeat.py), and follows `weights` for its run: the current pool loads
+every version, the stale pool every `stale_step`-th, from MinIO (pipeline/engine/updates.py) whenever
+the engine does not already hold that version from the learner's broadcast. Events announced while
+the engine was away are caught up by loading only the newest wanted one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx
+from minio import Minio
+from minio.error import S3Error
+from pydantic import BaseModel, ConfigDict, Field
+
+from learner.manifest import ShardIntegrityError
+from pipeline.engine.health import wait_until_serving
+from pipeline.engine.heartbeat import Heartbeat
+from pipeline.engine.launch import set_session_niceness
+from pipeline.engine.server import INITIAL_VERSION_ENV, vllm_command
+from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load
+from pipeline.run.config import RollstreamConfig
+from schemas import objectstore, topics
+from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
+
+# How long a stopping engine waits for its last heartbeat to be acknowledged (the broker may be gone).
+STOP_FLUSH_S = 10.0
+
+
+class EngineSettings(BaseModel):
+    """One engine process."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    pool: Literal["current", "stale"] = "current"
+    """Pool served: AgentRL's current engines (every version) or stale engines (25% of capacity)."""
+    stale_step: int = 25
+    """The stale pool loads every stale_step-th version: AgentRL stale_step 25."""
+    max_model_len: int = 8192
+    """Longest sequence served: the paper's max_total_len 8192."""
+    heartbeat_interval_s: float = 2.0
+    """Seconds between heartbeats (not in the paper): an unanswering engine is flagged within this plus the probe timeout."""
+    probe_timeout_s: float = 2.0
+    """HTTP timeout of each health probe (not in the paper)."""
+    stall_after_s: float = Field(300.0, gt=0)
+    """An engine busy with one weight update or group join longer than this is reported unhealthy until it
+    ends (not in the paper): it answers probes but serves nothing, e.g. a broadcast whose learner is gone."""
+    kv_cache_space_gib: int = 1
+    """vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's CPU default share of memory refuses to start on small hosts."""
+    start_timeout_s: float = 600.0
+    """How long the server may take to become healthy (about 40-55 s on 2 CPU cores)."""
+
+
+def _log(message: str) -> None:
+    print(f"[engine] {message}", file=sys.stderr, flush=True)
+
+
+class WeightFollower:
+    """Follows `weights` for one run and loads, from MinIO, the versions this engine should serve."""
+
+    def __init__(self, consumer: EventConsumer, mc: Minio, control: EngineControl, *, pool: str, run: str,
+                 stale_step: int, download_root: Path) -> None:
+        self._consumer, self._mc, self._control = consumer, mc, control
+        self._pool, self._run, self._stale_step = pool, run, stale_step
+        self._download_root = download_root
+        self.last_error = ""
+
+    def poll_once(self, timeout_s: float) -> None:
+        """Reads what is there (waiting up to `timeout_s` for the first event), loads the newest
+        wanted version, then commits past everything read."""
+        events: list[ConsumedEvent] = []
+        event = self._consumer.poll(timeout_s)
+        while event is not None:
+            events.append(event)
+            event = self._consumer.poll(0.2)
+        if not events:
+            return
+        announced = {e.value["version"]: e.value for e in events if e.value["run"] == self._run}
+        target = newest_to_load(self._pool, list(announced), self._control.state()["version"], self._stale_step)
+        if target is not None:
+            self._load(announced[target])
+        # Committed even after a refused version: the learner announces it only once, and the
+        # next version supersedes it; the refusal stays visible in the heartbeats' detail.
+        self._consumer.commit(events)
+
+    def _load(self, event: dict) -> None:
+        directory = self._download_root / f"v{event['version']:06d}"
+        started = time.perf_counter()
+        try:
+            download_version(self._mc, event, directory)
+            downloaded = time.perf_counter()
+            result = self._control.load(event["version"], directory)
+        except (ShardIntegrityError, UpdateRefused, S3Error, httpx.HTTPError, ValueError) as error:
+            self.last_error = f"version {event['version']} refused: {error}"
+            _log(self.last_error)
+            shutil.rmtree(directory, ignore_errors=True)
+            return
+        self.last_error = ""
+        _log(f"loaded version {event['version']} from MinIO: download {downloaded - started:.2f} s, "
+             f"drain {result['drain_s']:.2f} s, load {result['update_s'] - result['drain_s']:.2f} s")
+        for old in self._download_root.glob("v*"):
+            if old != directory:
+                shutil.rmtree(old, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """Where one engine serves what (the `rollstream engine` options)."""
+
+    model: Path
+    run: str
+    engine_id: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    advertise_url: str = ""
+    initial_version: int = 0
+    work_dir: Path = Path(".run/engines")
+
+    @property
+    def local_url(self) -> str:
+        """Where the supervisor probes and updates its server; others are told the advertised address."""
+        return f"http://{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.port}"
+
+
+class EngineFailed(RuntimeError):
+    """The server did not come up, or exited on its own."""
+
+
+def run_engine(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob) -> None:
+    """Serves until SIGTERM/SIGINT; raises EngineFailed when the server does not come up or exits on
+    its own (the server is stopped either way)."""
+    server = start_server(settings, job)
+    stopping = {"flag": False}
+
+    def request_stop(signum: int, _frame: object) -> None:
+        stopping["flag"] = True
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+    _supervise(cfg, settings, job, server, lambda: stopping["flag"])
+    if not stopping["flag"]:
+        raise EngineFailed(f"vLLM exited with code {server.returncode}")
+
+
+def start_server(settings: EngineSettings, job: EngineJob) -> subprocess.Popen:
+    """vLLM's server for the job, in a session of its own, at this process's niceness."""
+    on_gpu = _cuda_available()
+    env = {**os.environ, INITIAL_VERSION_ENV: str(job.initial_version)}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
+    command = vllm_command(str(job.model), host=job.host, port=job.port, max_model_len=settings.max_model_len,
+                           dtype="auto" if on_gpu else "float32", enforce_eager=not on_gpu,
+                           chunked_prefill=on_gpu)
+    # vLLM's own log goes to our stderr; the server gets its own session so SIGTERM reaches its children.
+    server = subprocess.Popen(command, stdout=sys.stderr, stderr=sys.stderr, env=env, start_new_session=True)
+    # The server inherits this process's niceness (engines.nice) but leads a session of its own, where
+    # the kernel schedules by session first: the session gets the same niceness, or the niceness counts for nothing.
+    if niceness := os.getpriority(os.PRIO_PROCESS, 0):
+        set_session_niceness(server.pid, niceness)
+    return server
+
+
+def _supervise(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob, server: subprocess.Popen,
+               stopping: Callable[[], bool]) -> None:
+    """Waits for the server, then heartbeats and follows `weights` until `stopping()` or the server exits."""
+    producer: EventProducer | None = None
+    consumer: EventConsumer | None = None
+    heartbeat: Heartbeat | None = None
+    url = job.local_url
+    try:
+        start_s = wait_until_serving(url, server, settings.start_timeout_s)
+        _log(f"{job.engine_id} ({settings.pool}) serving {job.model} at {url}, healthy after {start_s:.1f} s")
+        mc = objectstore.client(cfg.object_store)
+        producer = EventProducer(cfg.kafka, client_id=f"engine-{job.engine_id}")
+        consumer = EventConsumer(cfg.kafka, f"rollstream-engine-{job.engine_id}", [topics.WEIGHTS],
+                                 client_id=f"engine-{job.engine_id}", dlq=producer)
+        follower = WeightFollower(consumer, mc, EngineControl(url), pool=settings.pool, run=job.run,
+                                  stale_step=settings.stale_step, download_root=job.work_dir / job.engine_id)
+        heartbeat = Heartbeat(producer, engine_id=job.engine_id, run=job.run, pool=settings.pool,
+                              url=job.advertise_url or url, model=str(job.model),
+                              interval_s=settings.heartbeat_interval_s, probe_timeout_s=settings.probe_timeout_s,
+                              initial_version=job.initial_version, stall_after_s=settings.stall_after_s,
+                              extra_detail=lambda: follower.last_error)
+        heartbeat.start()
+        while not stopping() and server.poll() is None:
+            follower.poll_once(1.0)
+    except RuntimeError as error:  # the server did not come up (NotServing), or a client gave up
+        raise EngineFailed(str(error)) from None
+    finally:
+        # The server first: it must not outlive us whatever the bus does (a flush to a broker that is
+        # gone blocks for minutes and then raises; whoever stops us kills us before that, and vLLM,
+        # in its own session, would be left serving).
+        _stop_server(server)
+        if heartbeat is not None:
+            heartbeat.stop()
+        try:
+            if consumer is not None:
+                consumer.close()
+            if producer is not None:
+                producer.flush(timeout=STOP_FLUSH_S)
+        except DeliveryError as error:
+            _log(f"{job.engine_id}: last events not delivered while stopping: {error}")
+
+
+def _cuda_available() -> bool:
+    import torch  # here: the supervisor itself never touches a device
+
+    return torch.cuda.is_available()
+
+
+def _stop_server(server: subprocess.Popen) -> None:
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
