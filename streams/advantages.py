@@ -7,6 +7,8 @@
    separately, every action token (loss_mask 1) carries its trajectory's advantage, and those
    tokens are standardized: A~ = (A - mu_task) / (sigma_task + eps). Token-weighted, so the
    statistics come from (advantage, action-token count) pairs without expanding the tokens.
+   `normalize=False` (StreamsSettings.task_adv_norm false, AgentRL's `task_adv_norm` flag off)
+   leaves the GRPO advantages unchanged; the per-task statistics are still reported.
 
 Degenerate token sets (documented choice, not from the paper): a task with fewer than two action
 tokens has no Bessel std (torch would return nan); we define the std of zero or one token as 0,
@@ -96,9 +98,11 @@ def task_normalize_counts(
     token_counts: Sequence[int] | np.ndarray,
     std: StdKind = "bessel",
     eps: float = 1e-6,
+    normalize: bool = True,
 ) -> tuple[np.ndarray, dict[Hashable, TaskStats]]:
     """Task normalization from per-trajectory action-token counts (what the batcher has when
-    arrays were offloaded). Returns final advantages and per-task stats, tasks in first-seen order."""
+    arrays were offloaded). Returns final advantages and per-task stats, tasks in first-seen order.
+    normalize=False: the final advantages are the given ones (the "after" stats equal the "before")."""
     a = np.asarray(advantages, dtype=np.float64)
     counts = np.asarray(token_counts, dtype=np.float64)
     if not len(a) == len(task_ids) == len(counts):
@@ -113,7 +117,9 @@ def task_normalize_counts(
         mean, sd = weighted_mean_std(a[idx], w, std)
         # sd == 0 means every token equals the mean; dividing float rounding noise by eps
         # would turn an exact 0 into ~1e-11, so those stay 0.
-        if sd > 0:
+        if not normalize:
+            final[idx] = a[idx]
+        elif sd > 0:
             final[idx] = (a[idx] - mean) / (sd + eps)
         mean_after, std_after = weighted_mean_std(final[idx], w, std)
         stats[task] = TaskStats(len(idx), int(w.sum()), mean, sd, mean_after, std_after)
@@ -126,7 +132,8 @@ def task_normalize(
     loss_masks: Sequence[Sequence[int] | np.ndarray],
     std: StdKind = "bessel",
     eps: float = 1e-6,
+    normalize: bool = True,
 ) -> tuple[np.ndarray, dict[Hashable, TaskStats]]:
-    """Per-task token-weighted standardization over the tokens with loss_mask 1."""
+    """Per-task token-weighted standardization over the tokens with loss_mask 1 (none: normalize=False)."""
     counts = [int(np.count_nonzero(np.asarray(m))) for m in loss_masks]
-    return task_normalize_counts(advantages, task_ids, counts, std=std, eps=eps)
+    return task_normalize_counts(advantages, task_ids, counts, std=std, eps=eps, normalize=normalize)

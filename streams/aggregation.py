@@ -4,7 +4,7 @@ AgentRL trains a group only when all n members have arrived (GRPO needs the whol
 of that this buffer adds what a durable, replayable pipeline needs:
 
 - duplicates (same group_id and member, e.g. an at-least-once redelivery) are dropped;
-- a member whose status is "task_error" is an infrastructure failure, not a policy failure: it is
+- a member whose status is `Status.TASK_ERROR` is an infrastructure failure, not a policy failure: it is
   masked (ROLL's Mask & Filter), and the group completes from the other members if at least
   `min_members` remain, else it is dropped;
 - a group not complete `group_timeout_s` after its first member arrived is handled by the same
@@ -34,10 +34,9 @@ from typing import Any
 
 import numpy as np
 
+from schemas.status import Status
 from streams.advantages import grpo_advantages, group_reward_stats
 from streams.settings import StreamsSettings
-
-TASK_ERROR = "task_error"
 
 # Identity fields every member of a group must agree on.
 _GROUP_FIELDS = ("group_id", "run", "task", "split", "sample_index", "group_size", "validation")
@@ -104,7 +103,7 @@ def decide(state: Mapping[str, Any], now_ms: int, learner_version: int, settings
     if state["closed"] is not None:
         return Decision("wait", "closed", dict(state))
     members = [state["members"][k] for k in sorted(state["members"], key=int)]
-    unmasked = [t for t in members if t["status"] != TASK_ERROR]
+    unmasked = [t for t in members if t["status"] != Status.TASK_ERROR]
     oldest = min_weight_version(unmasked) if unmasked else min_weight_version(members)
     if oldest is not None and learner_version - oldest > settings.max_staleness:
         return _close(state, now_ms, "drop", "stale", {"dropped_stale": 1})
@@ -133,7 +132,7 @@ def build_group(state: Mapping[str, Any], members: list[Mapping[str, Any]], now_
                 settings: StreamsSettings) -> dict[str, Any]:
     """The groups event (schemas/avro/group.avsc): members in member order, masked ones with
     advantage 0. all_equal needs at least two unmasked members (a group of one has advantage R)."""
-    masked = np.array([t["status"] == TASK_ERROR for t in members])
+    masked = np.array([t["status"] == Status.TASK_ERROR for t in members])
     rewards = np.array([t["reward"] for t in members], dtype=np.float64)
     adv = grpo_advantages(rewards, [state["group_id"]] * len(members), settings.std, settings.eps, ~masked)
     counted = rewards[~masked]

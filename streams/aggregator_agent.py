@@ -28,8 +28,9 @@ from typing import Any
 from schemas import eventref, topics
 from schemas.codec import codec
 from streams import aggregation
-from streams.app import Out, Wiring
-from streams.serde import decode_from, encode_for, tagged_table
+from streams.app import Wiring
+from streams.events import Out, decode_from, encode_for
+from streams.serde import tagged_table
 from streams.settings import StreamsSettings
 
 TICK = b"tick"

@@ -4,12 +4,9 @@ No App exists at import time: `create_app(kafka, settings, worker)` builds one f
 each agent module (router, aggregator, batcher, metrics) declares its topics, tables and agents
 on it through `Wiring`. Delivery rules (ARCHITECTURE.md "Delivery guarantees"): at-least-once, no
 exactly_once, every agent at concurrency 1; Faust flushes the producer before it commits source
-offsets, so whatever an agent sent for an event is durable before the event counts as consumed.
-
-Faust's own producer flush is weaker than that: table writes (the changelogs) wait in a buffer,
-and its flush gives up after 0.1 s without progress, so a commit could pass changelog writes that
-were never acknowledged, and a crashed worker's recovered table would lack writes whose events
-count as consumed. `drain_before_commit` makes that flush wait for every buffered write.
+offsets, and streams/producer_buffer.py makes that flush wait for the table writes too, so whatever
+an agent sent or wrote for an event is durable before the event counts as consumed. The settings
+are streams/settings.py's; the Kafka client options and credentials come from streams/broker.py.
 
 Topology. The router and the aggregator read their DESIGN topic as it is: the topic is keyed by
 group_id (ARCHITECTURE.md "Topics"), so a group's events already meet in one partition, and the job's
@@ -32,8 +29,7 @@ event's own topic, partition and offset). Broadcasting control events into every
 the per-partition agents change their tables while processing them (Faust allows table writes only
 inside stream iteration). Reading the DESIGN topics directly spares each trajectory and each task
 request a hop through an internal topic (a second event handled and sent by the worker's one
-Python thread: bench streams measured 3.5-3.9 ms of worker CPU per trajectory with the hops,
-2.9-3.05 without); the price is that producers must key these topics by group_id with one
+Python thread); the price is that producers must key these topics by group_id with one
 partitioner, which every rollstream producer does (schemas/bus.py, librdkafka's default). The
 control topics are not in order with the data: a heartbeat or weight version reaches the router
 and aggregator about as soon as the requests and trajectories sent after it, not strictly before.
@@ -50,24 +46,23 @@ seed_control_intakes).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import faust
 from faust.types import TopicT
-from pydantic import BaseModel, ConfigDict, Field
 
 from schemas import topics
 from schemas.bus import dead_letter
 from schemas.settings import KafkaSettings, ObjectStoreSettings
-from streams.serde import DECODE_ERRORS, RAW, decode_from, encode_for
-from streams.settings import StreamsSettings
+from streams.broker import batch_limit_bytes, client_options
+from streams.events import DECODE_ERRORS, Out, decode_from, encode_for
+from streams.producer_buffer import drain_before_commit
+from streams.serde import RAW
+from streams.settings import StreamsSettings, WorkerSettings
 
 log = logging.getLogger("rollstream.streams")
 
@@ -75,63 +70,8 @@ ROUTER, AGGREGATOR, BATCHER, METRICS = "router", "aggregator", "batcher", "metri
 COMPONENTS: tuple[str, ...] = (ROUTER, AGGREGATOR, BATCHER, METRICS)
 
 
-class WorkerSettings(BaseModel):
-    """How one streams worker process runs (rollstream's own knobs; the paper has none)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    app_id: str = "rollstream-streams"
-    """Faust app id: names the consumer group, internal topics and changelogs (one per deployment)."""
-    datadir: Path = Path(".run/streams")
-    """Faust's local data directory."""
-    partitions: int = Field(8, ge=1)
-    """Partitions of the DESIGN topics the jobs read by group_id (tasks.requested, steps, trajectories;
-    infra/topics.yaml has 8): the router's, aggregator's and metrics' tables and control topics mirror
-    them. `run_worker` sets it from the broker."""
-    sweep_interval_s: float = Field(5.0, gt=0)
-    """How often the aggregator sweeps for timed-out and stale groups."""
-    metrics_interval_s: float = Field(10.0, gt=0)
-    """How often per-task metrics are published to `metrics`."""
-    web_enabled: bool = True
-    """Serve the metrics as JSON (Faust web views)."""
-    web_port: int = Field(6066, ge=1, le=65535)
-    """Port of Faust's web server."""
-    session_timeout_s: float = Field(10.0, gt=0)
-    """Broker session timeout: a killed worker's partitions move after this long."""
-    standby_replicas: int = Field(1, ge=0)
-    """Faust standby replicas per table: a standby worker keeps a warm copy and takes over."""
-    run: str | None = None
-    """Serve only this run's events (`rollstream up` gives each run its own app); None serves every run."""
-    batch_offload_bytes: int = Field(15 * 1024 * 1024, ge=1)
-    """rollstream: an encoded batch above this size is stored in MinIO as a claim check (kept under Kafka's limit)."""
-    store_attempt_s: float = Field(120.0, gt=0)
-    """rollstream: how long one attempt to store a claim-checked batch keeps retrying (a store briefly away costs nothing)."""
-    store_backoff_s: float = Field(5.0, gt=0)
-    """rollstream: after a failed attempt the batch is cut and stored again this long later, doubling per failure."""
-    store_backoff_max_s: float = Field(300.0, gt=0)
-    """rollstream: the longest wait between two attempts to store a batch (it is retried forever, never dropped)."""
-    producer_compression: Literal["none", "gzip", "snappy", "lz4", "zstd"] = "none"
-    """rollstream: how the worker compresses what it sends. None by default: its events are small (groups and
-    batches refer to the token arrays, schemas/eventref.py), the DESIGN topics' compression.type=zstd has the
-    broker store them compressed anyway, and compressing in the worker's one Python thread cost it 18% more CPU
-    per trajectory (bench streams: 7.3 against 6.0 ms)."""
-
-
-FLUSH_TIMEOUT_S = 120.0
-"""How long a commit waits for buffered table writes to be acknowledged (a broker restart takes this long)."""
-STOP_FLUSH_TIMEOUT_S = 10.0
-"""The same wait while the worker stops (its producer may already be gone)."""
-
-RECORD_OVERHEAD_BYTES = 64 * 1024
-"""Room left under Kafka's message limit for the key and the record and batch headers."""
-
-
 def now_ms() -> int:
     return int(time.time() * 1000)
-
-
-Out = tuple[str, bytes | None, bytes]
-"""One event to send: (topic name, key, encoded value)."""
 
 
 @dataclass(frozen=True)
@@ -179,9 +119,8 @@ class Wiring:
 
     @property
     def batch_limit_bytes(self) -> int:
-        """The encoded size above which a batch is claim-checked: the setting, but always under
-        what the producer may send."""
-        return min(self.worker.batch_offload_bytes, self.kafka.message_max_bytes - RECORD_OVERHEAD_BYTES)
+        """The encoded size above which a batch is claim-checked (streams.broker.batch_limit_bytes)."""
+        return batch_limit_bytes(self.kafka, self.worker)
 
     def serves(self, event: Any) -> bool:
         """Whether this app serves the run of a decoded event (one with a `run` field)."""
@@ -280,57 +219,6 @@ def newest_by_key(ranked: Iterable[tuple[str, int, Any]]) -> dict[str, Any]:
     return {key: item for key, (_, item) in newest.items()}
 
 
-def drain_before_commit(buffer: Any) -> None:
-    """Makes a Faust producer buffer's flush wait until every message put in it so far is
-    acknowledged by the broker (or raise, so the commit that called it does not happen)."""
-    pending: set[asyncio.Future] = set()
-    put = buffer.put
-
-    def tracked_put(fut: asyncio.Future) -> None:
-        pending.add(fut)
-        fut.add_done_callback(pending.discard)
-        put(fut)
-
-    async def flush() -> None:
-        if not pending:
-            return
-        timeout = STOP_FLUSH_TIMEOUT_S if buffer.should_stop else FLUSH_TIMEOUT_S
-        done, waiting = await asyncio.wait(list(pending), timeout=timeout)
-        if waiting:
-            raise RuntimeError(f"{len(waiting)} table changelog writes not acknowledged within {timeout:g} s")
-        failed = [f.exception() for f in done if not f.cancelled() and f.exception() is not None]
-        if failed:
-            raise RuntimeError(f"{len(failed)} table changelog writes failed: {failed[0]!r}") from failed[0]
-
-    buffer.put = tracked_put
-    buffer.flush = flush
-
-
-_SASL_MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
-
-
-def broker_credentials(kafka: KafkaSettings) -> faust.auth.Credentials | None:
-    """Faust's broker credentials for the cluster's security settings (None: PLAINTEXT). A CA file
-    in the librdkafka extras (ssl.ca.location) verifies the brokers; else the system's CAs do."""
-    protocol = kafka.security_protocol.upper()
-    if protocol == "PLAINTEXT":
-        return None
-    if protocol not in ("SSL", "SASL_PLAINTEXT", "SASL_SSL"):
-        raise ValueError(f"security_protocol {kafka.security_protocol!r}: "
-                         "use PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL")
-    context = (ssl.create_default_context(cafile=kafka.extra.get("ssl.ca.location"))
-               if protocol in ("SSL", "SASL_SSL") else None)
-    if protocol == "SSL":
-        return faust.SSLCredentials(context)
-    mechanism = (kafka.sasl_mechanism or "").upper()
-    if mechanism not in _SASL_MECHANISMS:
-        raise ValueError(f"sasl_mechanism {kafka.sasl_mechanism!r}: the streams worker speaks "
-                         f"{', '.join(_SASL_MECHANISMS)}")
-    return faust.SASLCredentials(username=kafka.sasl_username,
-                                 password=kafka.sasl_password.get_secret_value() if kafka.sasl_password else None,
-                                 mechanism=mechanism, ssl_context=context)
-
-
 def create_app(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSettings = WorkerSettings(),
                components: Iterable[str] = COMPONENTS, *, clock: Callable[[], int] = now_ms,
                store: ObjectStoreSettings = ObjectStoreSettings()) -> faust.App:
@@ -348,21 +236,14 @@ def create_wiring(kafka: KafkaSettings, settings: StreamsSettings, worker: Worke
         raise ValueError(f"unknown streams components {unknown}; known: {', '.join(COMPONENTS)}")
     app = faust.App(
         worker.app_id,
-        broker=kafka.faust_broker,
-        broker_credentials=broker_credentials(kafka),
+        **client_options(kafka, worker),
         datadir=str(worker.datadir),
         store="memory://",
         web_enabled=worker.web_enabled,
         web_port=worker.web_port,
-        producer_acks=-1,
-        producer_compression_type=None if worker.producer_compression == "none" else worker.producer_compression,
-        producer_max_request_size=kafka.message_max_bytes,
-        consumer_max_fetch_size=kafka.message_max_bytes,
         topic_partitions=worker.partitions,
         topic_disable_leader=True,
         table_standby_replicas=worker.standby_replicas,
-        broker_session_timeout=worker.session_timeout_s,
-        broker_heartbeat_interval=1,
     )
     drain_before_commit(app.producer.buffer)
     wiring = Wiring(app, kafka, settings, worker, clock, {}, {}, store)

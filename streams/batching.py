@@ -100,12 +100,14 @@ def action_tokens(trajectory: Mapping[str, Any]) -> int:
 def build_batch(run: str, index: int, credit_version: int, groups: Sequence[Mapping[str, Any]],
                 settings: StreamsSettings, now_ms: int) -> dict[str, Any]:
     """The batches event (schemas/avro/batch.avsc): unmasked members with their GRPO advantage
-    and their final advantage after per-task token-weighted normalization (tasks sorted by name)."""
+    and their final advantage after per-task token-weighted normalization (tasks sorted by name),
+    or, with settings.task_adv_norm off, the GRPO advantage unchanged."""
     members = [m for g in groups for m in trainable_members(g)]
     tasks: list[Hashable] = [m["trajectory"]["task"] for m in members]
     group_adv = [m["advantage"] for m in members]
     final, stats = task_normalize_counts(
-        group_adv, tasks, [action_tokens(m["trajectory"]) for m in members], settings.std, settings.eps)
+        group_adv, tasks, [action_tokens(m["trajectory"]) for m in members], settings.std, settings.eps,
+        normalize=settings.task_adv_norm)
     group_ids = [g["group_id"] for g in groups]
     return {
         "batch_id": batch_id(run, group_ids),

@@ -19,9 +19,10 @@ from typing import Any
 
 from schemas import topics
 from schemas.codec import codec
-from streams import aggregation
-from streams.app import Out, Wiring
-from streams.serde import encode_for, tagged_table
+from streams import aggregation, routing
+from streams.app import Wiring
+from streams.events import Out, encode_for
+from streams.serde import tagged_table
 
 STEP, TRAJECTORY = "step", "trajectory"
 
@@ -34,8 +35,8 @@ def count_event(row: Mapping[str, Any] | None, kind: str, event: Mapping[str, An
     """The task's counters with one step or trajectory added."""
     row = dict(row or {})
     if kind == STEP:
-        return aggregation.tally(row, {"steps": 1, "stale_steps": int(event["pool"] == "stale"),
-                                       "planned_stale_steps": int(event["planned_pool"] == "stale")})
+        return aggregation.tally(row, {"steps": 1, "stale_steps": int(event["pool"] == routing.STALE),
+                                       "planned_stale_steps": int(event["planned_pool"] == routing.STALE)})
     score = event["score"] if event["score"] is not None else event["env_reward"]
     out = aggregation.tally(row, {"trajectories": 1, "successes": int(score >= 1.0),
                                   f"status:{event['status']}": 1, "turns": len(event["turns"]),

@@ -15,8 +15,9 @@ from typing import Any
 from schemas import topics
 from schemas.codec import codec
 from streams import routing
-from streams.app import Out, Wiring
-from streams.serde import decode_from, encode_for, tagged_table
+from streams.app import Wiring
+from streams.events import Out, decode_from, encode_for
+from streams.serde import tagged_table
 from streams.settings import StreamsSettings
 
 REQUEST, HEARTBEAT, WEIGHTS = "task_requested", "engine_heartbeat", "weight_version"
@@ -71,7 +72,8 @@ def on_request(state_table: MutableMapping[str, Any], request: dict[str, Any], p
     plan = routing.plan_turn_pools(
         request["run"], request["group_id"], request["member"], settings.max_turns, settings.stale_ratio,
         pools[routing.STALE], request["validation"], settings.max_stale_lag,
-        learner_version=state["versions"].get(request["run"], 0), stale_step=settings.stale_step)
+        learner_version=state["versions"].get(request["run"], 0), stale_step=settings.stale_step,
+        mode=settings.routing_mode)
     task = routing.task_event(request, plan, now_ms)
     return [(topics.TASKS, request["group_id"].encode(), encode_for(topics.TASKS, task))]
 

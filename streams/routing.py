@@ -1,9 +1,11 @@
 """Stale-engine routing (AgentRL cross-policy sampling) and the engine registry, as pure logic.
 
 Every turn of every trajectory goes to the stale pool with probability stale_ratio, else to the
-current pool. The router draws the whole per-turn plan up front from a seed derived from
-(run, group_id, member) with sha256, so a replay of tasks.requested reproduces every plan
-(Python's hash() is salted per process and would not).
+current pool (routing mode "turn", the paper's). The router draws the whole per-turn plan up front
+from a seed derived from (run, group_id, member) with sha256, so a replay of tasks.requested
+reproduces every plan (Python's hash() is salted per process and would not). Routing mode
+"trajectory" (the paper's trajectory-level mixing ablation) draws once from the same seed and
+gives every turn of the trajectory that one pool. stale_ratio 0 gives every turn the current pool.
 
 The registry folds `engines` heartbeats (schemas/avro/engine_heartbeat.avsc) into a plain dict
 keyed by engine_id — the value a Faust table would hold — and summarizes it per pool at a given
@@ -17,6 +19,8 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from streams.settings import RoutingMode
 
 CURRENT = "current"
 STALE = "stale"
@@ -75,12 +79,14 @@ def plan_turn_pools(
     *,
     learner_version: int,
     stale_step: int,
+    mode: RoutingMode = "turn",
 ) -> RoutingPlan:
-    """Draws the pool of each of max_turns turns, or falls back to current-only with a reason.
+    """Draws the pool of each of max_turns turns ("turn" mode) or one pool for all of them
+    ("trajectory" mode), or falls back to current-only with a reason.
 
-    Current-only when: the task is a validation task; the stale pool has no live healthy engine;
-    or its oldest loaded version trails stale_schedule(learner_version) by more than
-    max_stale_lag. The seed is always derived, so the plan records it even when unused.
+    Current-only when: the task is a validation task; stale_ratio is 0; the stale pool has no live
+    healthy engine; or its oldest loaded version trails stale_schedule(learner_version) by more
+    than max_stale_lag. The seed is always derived, so the plan records it even when unused.
     """
     seed = routing_seed(run, group_id, member)
     stale_version = stale_pool.loaded_version if stale_pool is not None else None
@@ -89,7 +95,10 @@ def plan_turn_pools(
     if reason is not None:
         return RoutingPlan([CURRENT] * max_turns, seed, 0.0, reason, stale_version)
     rng = random.Random(seed)
-    pools = [STALE if rng.random() < stale_ratio else CURRENT for _ in range(max_turns)]
+    if mode == "trajectory":
+        pools = [STALE if rng.random() < stale_ratio else CURRENT] * max_turns
+    else:
+        pools = [STALE if rng.random() < stale_ratio else CURRENT for _ in range(max_turns)]
     return RoutingPlan(pools, seed, stale_ratio, REASON_MIXED, stale_version)
 
 

@@ -1,7 +1,7 @@
 """Serialization at the Faust edge: raw-bytes topics and a bytes-safe codec for table values.
 
 Every topic the streams app reads or writes carries bytes: our Avro single-object encoding
-(schemas/codec.py) is applied inside the agents, per event, so an undecodable event is caught
+(schemas/codec.py, by topic in streams/events.py) is applied inside the agents, per event, so an undecodable event is caught
 there and routed to `dlq` with its reason instead of failing in Faust's deserializer (which
 would ack and drop it). Raw bytes also let an agent forward an event without re-encoding it.
 
@@ -18,9 +18,6 @@ from typing import Any
 import orjson
 
 from faust.serializers.codecs import Codec
-
-from schemas import topics
-from schemas.codec import InvalidEvent, UndecodableEvent, codec
 
 RAW = "raw"
 _BYTES_TAG = "$b"
@@ -44,7 +41,7 @@ class TaggedJSON(Codec):
     """JSON with bytes as {"$b": base64}: table values survive the changelog byte-exact.
 
     Written with orjson: every table write is encoded in the worker's one Python thread, and
-    orjson took a fifth of the standard library's time for a group's state (bench streams). Keys
+    orjson encodes a group's state much faster than the standard library (bench streams). Keys
     that are not strings are written as strings, as the standard library does; NaN and infinities,
     which no table holds, would be written as null."""
 
@@ -70,16 +67,3 @@ def tagged_table(app: Any, name: str, partitions: int, topic_config: dict[str, s
 def raw_table(app: Any, name: str, partitions: int, topic_config: dict[str, str]) -> Any:
     """A Faust table of str keys and raw bytes values (encoded events kept as received)."""
     return app.Table(name, partitions=partitions, key_type=str, value_type=bytes, extra_topic_configs=topic_config)
-
-
-def decode_from(topic: str, data: bytes | None) -> dict[str, Any]:
-    """Decodes an event read from one of the DESIGN topics as that topic's event type."""
-    return codec().decode(data, topics.EVENT_OF_TOPIC[topic])
-
-
-def encode_for(topic: str, value: dict[str, Any]) -> bytes:
-    """Encodes a value as the event type of a DESIGN topic (InvalidEvent when it does not fit)."""
-    return codec().encode(topics.EVENT_OF_TOPIC[topic], value)
-
-
-DECODE_ERRORS = (UndecodableEvent, InvalidEvent)

@@ -20,8 +20,8 @@ from faust.worker import Worker
 from schemas import topics
 from schemas.bus import EventProducer, create_missing_topics, topic_partitions
 from schemas.settings import KafkaSettings, ObjectStoreSettings
-from streams.app import COMPONENTS, ControlIntake, WorkerSettings, create_wiring
-from streams.settings import StreamsSettings
+from streams.app import COMPONENTS, ControlIntake, create_wiring
+from streams.settings import StreamsSettings, WorkerSettings
 
 # Data topics a new deployment may skip the history of; weights and engines are always read from
 # the start, because the learner version and the engine registry are state, not a stream of work.

@@ -35,32 +35,18 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from env_workers.sandbox.settings import SandboxSettings
+from schemas.status import Status
 
 log = logging.getLogger(__name__)
 
 # <repo root>/../shared/data; pipeline/ overrides it from ROLLSTREAM_DATA (only pipeline/ reads the environment).
 DEFAULT_DATA_ROOT = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-
-class Status(StrEnum):
-    """Session status: the symbols of schemas/avro/status.avsc (AgentBench's, spaces as underscores)."""
-
-    RUNNING = "running"
-    COMPLETED = "completed"
-    AGENT_CONTEXT_LIMIT = "agent_context_limit"
-    AGENT_VALIDATION_FAILED = "agent_validation_failed"
-    AGENT_INVALID_ACTION = "agent_invalid_action"
-    TASK_LIMIT_REACHED = "task_limit_reached"
-    TASK_ERROR = "task_error"
-    CANCELLED = "cancelled"
-    UNKNOWN = "unknown"
 
 
 class CalcSplitOperations(BaseModel):

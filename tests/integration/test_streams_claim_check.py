@@ -22,7 +22,7 @@ from pipeline.analysis.replay import read_topic, store_fetch
 from schemas import codec as codec_module
 from schemas import objectstore, topics
 from schemas.bus import EventProducer
-from streams.batcher_agent import payload_key
+from streams.batcher_state import payload_key
 from streams.batching import build_batch
 from streams.settings import StreamsSettings
 from streams.worker import start_at_end

@@ -15,8 +15,8 @@ from helpers.events import weights
 from schemas import topics
 from schemas.bus import EventProducer
 from schemas.codec import codec
-from streams.app import WorkerSettings, create_app, create_wiring
-from streams.settings import StreamsSettings
+from streams.app import create_app, create_wiring
+from streams.settings import StreamsSettings, WorkerSettings
 from streams.worker import (BY_GROUP, PartitionsMismatch, declare_internal_topics, group_partitions, internal_topics,
                             seed_control_intakes)
 

@@ -96,3 +96,14 @@ def test_mismatched_lengths_are_rejected():
         grpo_advantages([1, 0], [0])
     with pytest.raises(ValueError):
         task_normalize_counts([1.0], ["a", "b"], [1, 1])
+
+
+def test_with_task_adv_norm_off_the_final_advantages_are_the_grpo_ones():
+    grpo = grpo_advantages(REWARDS, GROUPS)
+    final, stats = task_normalize(grpo, TASKS, MASKS, normalize=False)
+    np.testing.assert_array_equal(final, grpo)
+    normalized, _ = task_normalize(grpo, TASKS, MASKS)
+    assert not np.allclose(normalized, grpo)  # the switch changes something at all
+    for s in stats.values():  # the statistics are still reported, unchanged by the (skipped) step
+        assert (s.mean_after, s.std_after) == (s.mean_before, s.std_before)
+    assert stats[0].tokens == 9 and stats[0].mean_before == pytest.approx(-0.078567, abs=1e-6)

@@ -151,3 +151,20 @@ def test_default_sizes_follow_the_paper_config():
     assert (s.min_trajectories, s.first_batch_trajectories, s.trajectory_multiple) == (2048, 3482, 8)
     assert StreamsSettings(batch_size=1, group_size=10).first_batch_trajectories == 17  # not 18 from 17.000000000000004
     assert StreamsSettings(group_size=8, data_parallel_multiple=6).trajectory_multiple == 24
+
+
+def test_batch_with_task_adv_norm_off_trains_on_the_group_advantages_unchanged():
+    ready = [group("a", (1.0, 0.0, 0.5, 0.0), masks=[[1], [1, 1], [1, 1, 1], [0, 1]]), group("b", task="db")]
+    off = build_batch("run", 1, 5, ready, SETTINGS.model_copy(update={"task_adv_norm": False}), now_ms=0)
+    on = build_batch("run", 1, 5, ready, SETTINGS, now_ms=0)
+    grpo = [m["advantage"] for g in ready for m in g["members"]]
+    assert [i["advantage"] for i in off["items"]] == [i["group_advantage"] for i in off["items"]] == grpo
+    assert [i["advantage"] for i in on["items"]] != grpo
+    assert [s["tokens"] for s in off["task_stats"]] == [s["tokens"] for s in on["task_stats"]]
+
+
+def test_the_paper_ablations_are_off_by_default():
+    s = StreamsSettings()
+    assert (s.task_adv_norm, s.routing_mode, s.stale_ratio) == (True, "turn", 0.25)
+    with pytest.raises(ValueError):
+        StreamsSettings(routing_mode="episode")

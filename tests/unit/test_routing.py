@@ -13,9 +13,9 @@ STALE_OK = PoolState(engines=("s0",), loaded_version=25)
 
 
 def plan(member=0, stale_pool=STALE_OK, validation=False, learner_version=30, max_stale_lag=5,
-         stale_ratio=0.25, group_id="g1"):
+         stale_ratio=0.25, group_id="g1", mode="turn"):
     return plan_turn_pools("run", group_id, member, 20, stale_ratio, stale_pool, validation, max_stale_lag,
-                           learner_version=learner_version, stale_step=25)
+                           learner_version=learner_version, stale_step=25, mode=mode)
 
 
 def heartbeat(engine_id, pool, version, sent, healthy=True, run="run"):
@@ -82,6 +82,31 @@ def test_stale_pool_within_its_lag_keeps_mixing():
 def test_zero_stale_ratio_routes_current_only_with_reason():
     p = plan(stale_ratio=0.0)
     assert p.turn_pools == ["current"] * 20 and p.reason == REASON_RATIO_ZERO
+
+
+def test_zero_stale_ratio_never_routes_a_turn_to_the_stale_pool_in_either_mode():
+    pools = {pool for mode in ("turn", "trajectory") for m in range(200)
+             for pool in plan(member=m, group_id=f"g{m % 7}", stale_ratio=0.0, mode=mode).turn_pools}
+    assert pools == {"current"}
+
+
+def test_trajectory_mode_routes_every_turn_of_a_trajectory_to_one_pool():
+    plans = [plan(member=m, group_id=f"g{m % 7}", mode="trajectory") for m in range(800)]
+    assert all(len(p.turn_pools) == 20 and len(set(p.turn_pools)) == 1 for p in plans)
+    assert all((p.reason, p.stale_ratio) == (REASON_MIXED, 0.25) for p in plans)
+    share = sum(p.turn_pools[0] == "stale" for p in plans) / len(plans)
+    assert abs(share - 0.25) < 0.08  # 800 trajectories: 5 standard deviations is about 0.077
+    assert plan(mode="trajectory") == plan(mode="trajectory")  # reproducible from its seed alone
+
+
+def test_trajectory_mode_falls_back_to_current_only_as_turn_mode_does():
+    for kw in ({"validation": True}, {"stale_pool": None}, {"learner_version": 57}):
+        assert plan(mode="trajectory", **kw).turn_pools == ["current"] * 20
+
+
+def test_turn_mode_is_the_default_and_mixes_pools_within_a_trajectory():
+    assert plan_turn_pools("run", "g1", 0, 20, 0.25, STALE_OK, False, 5, learner_version=30, stale_step=25) == plan()
+    assert any(len(set(plan(member=m).turn_pools)) == 2 for m in range(20))
 
 
 def test_stale_schedule_is_latest_multiple_of_stale_step():

@@ -21,15 +21,16 @@ from schemas import objectstore, samples, topics
 from schemas.codec import codec
 from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams import aggregator_agent as agg
-from streams import batcher_agent as bat
+from streams import batcher_state as bat
 from streams import metrics_agent as met
 from streams import router_agent as rt
 from streams import routing
 from streams.advantages import grpo_advantages
-from streams.app import (RECORD_OVERHEAD_BYTES, WorkerSettings, Wiring, broker_credentials, create_app,
-                         create_wiring, drain_before_commit, newest_by_key)
+from streams.app import Wiring, create_app, create_wiring, newest_by_key
+from streams.broker import RECORD_OVERHEAD_BYTES, broker_credentials
+from streams.producer_buffer import drain_before_commit
 from streams.serde import TaggedJSON
-from streams.settings import StreamsSettings
+from streams.settings import StreamsSettings, WorkerSettings
 
 N = 4
 S = StreamsSettings(group_size=N, batch_size=1, first_batch_factor=1.0, min_members=2, group_timeout_s=10)
@@ -165,14 +166,6 @@ def test_a_batched_group_is_remembered_for_the_closed_retention_then_forgotten_a
     assert batch["group_ids"] == ["g1"] and list(tables.batched) == ["g1"]
 
 
-def test_a_batched_record_without_a_time_is_dated_at_the_next_cut_and_kept_one_retention():
-    batched = {"old": "batch-a", "new": {"batch_id": "batch-b", "at_ms": T0}}
-    bat.forget_old_batched(batched, T0 + 1, S)
-    assert batched == {"old": {"batch_id": "batch-a", "at_ms": T0 + 1}, "new": {"batch_id": "batch-b", "at_ms": T0}}
-    bat.forget_old_batched(batched, T0 + int(S.closed_retention_s * 1000), S)
-    assert list(batched) == ["old"]
-
-
 def test_groups_are_batched_in_arrival_order_not_by_id():
     tables = bat.BatcherTables({}, {}, {})
     _batcher(tables, _group("g0"))
@@ -201,18 +194,6 @@ def test_a_waiting_group_rewrites_a_fixed_size_run_state_however_many_groups_are
         bat.on_batcher_event(tables, _group(f"g{g}"), T0, waiting)
     assert len(tables.ready) == len(tables.queue) == 200 and tables.state["r"]["available"] == 200 * N
     assert max(tables.state.sizes) - min(tables.state.sizes) <= 4  # the digits of two counters
-
-
-def test_a_run_state_holding_its_ready_list_from_before_the_queue_table_loses_no_group():
-    tables = bat.BatcherTables({}, {}, {})
-    g1, g2 = _group("g2"), _group("g1")
-    tables.ready.update({"g2": g1, "g1": g2})
-    tables.state["r"] = {"learner_version": 0, "answered": 0, "index": 1, "store_failures": 0, "retry_at_ms": None,
-                         "ready": [bat.summary(codec().decode(data, "group")) for data in (g1, g2)]}
-    assert _batcher(tables, _group("g3")) == []  # no credit: it waits behind the two
-    [(_, batch)] = _decode_outs(_batcher(tables, codec().encode("weight_version", weights("r", 1))))
-    assert (batch["index"], batch["group_ids"]) == (1, ["g2", "g1", "g3"])
-    assert "ready" not in tables.state["r"] and tables.ready == tables.queue == {}
 
 
 def test_a_cut_changes_the_tables_only_once_applied():
@@ -252,7 +233,6 @@ def test_failed_store_backoff_doubles_per_failure_up_to_its_cap():
     assert bat.store_due({"retry_at_ms": T0 + 5000}, T0 + 4999) is False
     assert bat.store_due({"retry_at_ms": T0 + 5000}, T0 + 5000) is True
     assert bat.store_due(bat.empty_state(), T0) is True
-    assert bat.store_due({"learner_version": None, "answered": None, "index": 0, "ready": []}, T0) is True  # legacy
 
 
 def _fail_store(tables, data, pointer, now_ms, reason="MaxRetryError: connection refused"):
@@ -368,6 +348,24 @@ def test_router_plans_from_the_folded_heartbeats_and_learner_version():
     assert other["routing_reason"] == routing.REASON_NO_STALE_ENGINE
 
 
+def _route(settings: StreamsSettings, member: int) -> dict:
+    table: dict = {}
+    hb = {**samples.engine_heartbeat(), "engine_id": "s0", "pool": "stale", "loaded_version": 0, "sent_at_ms": T0}
+    rt.on_router_event(table, codec().encode("engine_heartbeat", hb), 0, T0, settings)
+    request = {**samples.task_requested(member), "group_id": f"g{member}"}
+    [(_, task)] = _decode_outs(rt.on_router_event(table, codec().encode("task_requested", request), 0, T0, settings))
+    return task
+
+
+def test_the_router_follows_the_routing_mode_and_stale_ratio_of_its_settings():
+    trajectory_level = S.model_copy(update={"routing_mode": "trajectory"})
+    plans = [_route(trajectory_level, m)["turn_pools"] for m in range(40)]
+    assert all(len(set(pools)) == 1 for pools in plans) and {p[0] for p in plans} == {"current", "stale"}
+    assert any(len(set(_route(S, m)["turn_pools"])) == 2 for m in range(40))
+    no_stale = S.model_copy(update={"stale_ratio": 0.0})
+    assert {pool for m in range(40) for pool in _route(no_stale, m)["turn_pools"]} == {"current"}
+
+
 def test_table_codec_round_trips_bytes_inside_nested_values():
     value = {"members": {"0": {"input_ids": b"\x00\xff", "turns": [{"n": 1}]}}, "closed": None,
              "empty": b"", "reward": 0.1, "pair": ["a", 2]}
@@ -406,13 +404,13 @@ def test_create_app_declares_only_the_chosen_jobs():
 
 def test_streams_worker_rejects_an_unknown_component_in_one_line():
     result = CliRunner().invoke(streams_cmd.app, ["worker", "--components", "router,planner"])
-    assert result.exit_code == 1
-    assert result.stderr.strip().splitlines() == ["rollstream streams: unknown components ['planner']; choose from router, aggregator, batcher, metrics"]
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == ["rollstream streams worker: unknown components ['planner']; choose from router, aggregator, batcher, metrics"]
 
 
 def test_dispatch_rejects_an_unknown_split_in_one_line():
     result = CliRunner().invoke(dispatch_cmd.app, ["--run", "r", "--families", "calc:nope", "--max-groups", "1"])
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.stderr.strip().splitlines() == ["rollstream dispatch: family 'calc' has no split 'nope'; splits: dev, rl, train"]
 
 
