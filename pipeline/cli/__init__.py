@@ -3,8 +3,8 @@
 Every subcommand lives in its own module and is registered here. Conventions (STYLE.md):
 machine-readable output with `--json` on stdout, progress and logs on stderr, a user mistake
 ends in one line and a non-zero exit (pipeline/cli/toolkit.py: the options every command shares,
-`fail`, the exit codes), and each command's help shows an example. Nothing outside the CLI imports
-a module of this package.
+`fail`, the exit codes), and each command's help shows an example. No library module imports this
+package: only the CLI itself, and tests that drive it.
 """
 
 from __future__ import annotations
