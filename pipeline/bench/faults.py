@@ -40,6 +40,7 @@ from pipeline.bench.faults_logic import (
     fault_table,
     redone,
 )
+from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
 from pipeline.run.up import RunFailed, Stack, default_run_id, run_up, timestamped
 from schemas import topics
@@ -51,18 +52,6 @@ DLQ_POLL_S = 3.0
 RECOVERY_AFTER_LAST_STEP_S = 120.0
 """A fault still open when the learner has finished gets this long (its dead letters may be on their
 way), then counts as not recovered."""
-
-
-def ensure_random_policy(path: Path) -> None:
-    """A randomly initialized small policy at `path` when there is none (the bench measures the
-    pipeline; SFT would only cost minutes). Bytes-only tokenizer: learning merges would run the
-    environments first, and the benchmarks' figures so far were measured on byte-level sequences."""
-    if (path / "config.json").is_file():
-        return
-    from pipeline.policy.model_init import PolicyModelSettings, init_model  # torch: only when a policy is made
-
-    init_model(PolicyModelSettings(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1,
-                                   intermediate_size=256, vocab_size=256), path)
 
 
 class Injector:

@@ -35,7 +35,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.bench.faults import ensure_random_policy
 from pipeline.bench.pipeline_logic import (
     bound,
     comparison,
@@ -46,6 +45,7 @@ from pipeline.bench.pipeline_logic import (
     mode_figures,
     rollout_alone,
 )
+from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
 from pipeline.run.up import RunFailed, Stack, run_up, timestamped
 from schemas import topics
