@@ -53,23 +53,25 @@ from schemas import topics
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pipeline.yaml"
 MODES = ("sync", "async")
 ALONE = "rollout"
-READ = (topics.TASKS_REQUESTED, topics.STEPS, topics.BATCHES, topics.WEIGHTS, topics.METRICS)
-BATCH_POLL_S = 3.0
+READ = (topics.TASKS_REQUESTED, topics.STEPS, topics.GROUPS, topics.BATCHES, topics.WEIGHTS, topics.METRICS)
+POLL_S = 3.0
 HOLD_LIMIT_S = 900.0
 """The longest the rollout run holds its learner stopped; then it is let go and the rate comes from
-the batches cut so far (or there is none)."""
+the groups ready so far (or there is none)."""
 
 
-def rollout_skip(cfg: RollstreamConfig) -> int:
-    """Cuts that end the rollout run's warm-up: every rollout slot's first trajectory (begun on cold
-    engines) is done by then, and as many again stay queued behind the measured batches."""
+def rollout_groups(cfg: RollstreamConfig, steps: int) -> tuple[int, int]:
+    """The rollout run's warm-up groups and measured groups. The warm-up is as many groups as fill
+    every rollout slot (their trajectories began on cold engines); at least as many are measured as
+    the modes train in their windows, and as many again stay queued behind them."""
     slots = cfg.env_workers.count * cfg.env_workers.concurrency
-    return math.ceil(slots / (cfg.streams.batch_size * cfg.streams.group_size)) + 1
+    skip = math.ceil(slots / cfg.streams.group_size)
+    return skip, max(steps * cfg.streams.batch_size, skip)
 
 
 def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int) -> RollstreamConfig:
     """The run of one mode: the same workload and engine count, the pipeline's shape apart. The rollout
-    run lets out the groups of all its batches at once and trains one step after its hold."""
+    run lets out every group its measurement needs at once and trains one step after its hold."""
     data = base.as_data()
     engines = base.engines.current + base.engines.stale
     data["max_steps"] = warmup_steps + steps
@@ -78,42 +80,50 @@ def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int
         data["engines"] = {**data["engines"], "current": engines, "stale": 0}
         data["mix"]["max_in_flight_groups"] = base.streams.batch_size
     elif mode == ALONE:
+        skip, measured = rollout_groups(base, steps)
         data["max_steps"] = 1
-        data["mix"]["max_in_flight_groups"] = (2 * rollout_skip(base) + steps) * base.streams.batch_size
+        data["mix"]["max_in_flight_groups"] = 2 * skip + measured
     else:
         data["mix"]["max_in_flight_groups"] = None  # the dispatcher's default: two batches
     return RollstreamConfig(**data)
 
 
 class LearnerHold:
-    """Holds the rollout run's learner stopped from its first version until `batches` batches of the
-    run are cut (or HOLD_LIMIT_S passed): the rollouts run with the learner idle."""
+    """Holds the rollout run's learner stopped from its first version until `groups` groups of the
+    run are ready (or HOLD_LIMIT_S passed), and its dispatcher stopped until the learner is: every
+    rollout runs with the learner idle, none beside its start-up."""
 
-    def __init__(self, cfg: RollstreamConfig, run: str, batches: int, say: Any) -> None:
-        self.cfg, self.run, self.batches, self.say = cfg, run, batches, say
+    def __init__(self, cfg: RollstreamConfig, run: str, groups: int, say: Any) -> None:
+        self.cfg, self.run, self.groups, self.say = cfg, run, groups, say
         self.since_ms = int(time.time() * 1000) - 5000
         self.state, self._stopped_at, self._last_poll = "starting", 0.0, 0.0
 
     def tick(self, stack: Stack, snap: dict[str, Any]) -> None:
-        if self.state == "released" or time.monotonic() - self._last_poll < BATCH_POLL_S:
+        if self.state == "released" or (self.state != "starting" and time.monotonic() - self._last_poll < POLL_S):
             return
         self._last_poll = time.monotonic()
         learner = next(c for c in stack.children if c.child.name == "learner")
-        if self.state == "starting" and self._count(topics.WEIGHTS) > 0:
+        dispatcher = next(c for c in stack.children if c.child.name == "dispatcher")
+        if self.state == "starting":
+            os.killpg(dispatcher.process.pid, signal.SIGSTOP)
+            self.state = "learner starting"
+        elif self.state == "learner starting" and self._ids(topics.WEIGHTS, "version"):
             os.killpg(learner.process.pid, signal.SIGSTOP)
+            os.killpg(dispatcher.process.pid, signal.SIGCONT)
             self.state, self._stopped_at = "held", time.monotonic()
-            self.say(f"rollout: learner held after version 0 until {self.batches} batches are cut")
+            self.say(f"rollout: learner held after version 0 until {self.groups} groups are ready")
         elif self.state == "held":
-            cut = self._count(topics.BATCHES)
-            if cut >= self.batches or time.monotonic() - self._stopped_at > HOLD_LIMIT_S:
+            ready = len(self._ids(topics.GROUPS, "group_id"))
+            if ready >= self.groups or time.monotonic() - self._stopped_at > HOLD_LIMIT_S:
                 os.killpg(learner.process.pid, signal.SIGCONT)
                 self.state = "released"
-                self.say(f"rollout: {cut} batches cut in {time.monotonic() - self._stopped_at:.0f} s; learner let go")
+                self.say(f"rollout: {ready} groups ready in {time.monotonic() - self._stopped_at:.0f} s; learner let go")
 
-    def _count(self, topic: str) -> int:
+    def _ids(self, topic: str, key: str) -> set[Any]:
         from pipeline.analysis.replay import Bound, read_topic  # noqa: PLC0415
 
-        return sum(1 for _ in read_topic(self.cfg.kafka, topic, run=self.run, start=Bound(timestamp_ms=self.since_ms)))
+        return {r.value[key] for r in read_topic(self.cfg.kafka, topic, run=self.run,
+                                                 start=Bound(timestamp_ms=self.since_ms))}
 
 
 def _plot(timelines: dict[str, dict[str, Any]], path: Path) -> None:
@@ -157,13 +167,13 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
     from pipeline.analysis.replay_columns import action_tokens  # noqa: PLC0415
 
     say = timestamped(console)
-    skip = rollout_skip(cfg)
+    skip, measured = rollout_groups(cfg, steps)
     alone_cfg = mode_config(cfg, ALONE, steps, warmup_steps)
     say(f"{ALONE}: run {run}-{ALONE}, learner held, {alone_cfg.mix.max_in_flight_groups} groups let out at once; "
-        f"{skip} batches of warm-up, {steps} measured")
-    hold = LearnerHold(cfg, f"{run}-{ALONE}", 2 * skip + steps, say)
+        f"{skip} groups of warm-up, {measured} measured")
+    hold = LearnerHold(cfg, f"{run}-{ALONE}", 2 * skip + measured, say)
     events = _events(cfg, alone_cfg, f"{run}-{ALONE}", ALONE, console, hold.tick)
-    rollout = rollout_alone(batches=events[topics.BATCHES], action_tokens=action_tokens, skip=skip, measured=steps)
+    rollout = rollout_alone(groups=events[topics.GROUPS], action_tokens=action_tokens, skip=skip, measured=measured)
     say(f"{ALONE}: {rollout['rollout_tokens_per_s']:.1f} trained tokens/s alone over {rollout['rollout_window_s']:.0f} s")
 
     figures: dict[str, dict[str, Any]] = {}

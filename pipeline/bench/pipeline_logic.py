@@ -22,10 +22,11 @@ and warm:
   their trained tokens (trajectories) / their busy seconds;
 - rollout alone: a run of its own on fresh engines with the learner held idle, every group it will
   need let out at once (so as many rollouts run at a time as the env workers take, at least what
-  the asynchronous mode keeps in flight). Batches are cut in order; the first `skip` cuts are the
-  warm-up (the rollouts begun on cold engines end there), and the rate is the tokens
-  (trajectories) of the next `measured` batches over the time from cut `skip` to the last of them,
-  while the groups still queued keep every rollout slot busy.
+  the asynchronous mode keeps in flight). Groups become ready (all members in) in some order; the
+  first `skip` are the warm-up (the rollouts begun on cold engines end there), and the rate is the
+  trainable tokens (trajectories) of the next `measured` groups over the time from group `skip`
+  being ready to the last of them, while the groups still queued keep every rollout slot busy.
+  Groups, not batches: the batcher cuts no further than the learner can take.
 
 Measured over the same warm windows, a perfect overlap of these stage rates publishes a version
 every max(rollout, learner) seconds per batch, which is the bound: async / bound is at most 1 for
@@ -161,21 +162,26 @@ def learner_alone(*, batches: Sequence[Mapping[str, Any]], weights: Sequence[Map
             "learner_steps": sum(1 for w in weights if w["version"] > warmup_steps and w.get("batch_id") in batch_of)}
 
 
-def rollout_alone(*, batches: Sequence[Mapping[str, Any]], action_tokens: Any, skip: int,
+def rollout_alone(*, groups: Sequence[Mapping[str, Any]], action_tokens: Any, skip: int,
                   measured: int) -> dict[str, float]:
-    """The rollout rate alone, from a run whose learner stayed idle: the tokens and trajectories of
-    batches skip+1 .. skip+measured (in cut order) over the time from cut `skip` to the last of them."""
-    cut = sorted(batches, key=lambda b: (b["created_at_ms"], b["index"]))
-    if skip < 1 or measured < 1 or len(cut) < skip + measured:
-        raise ValueError(f"{len(cut)} batches cut, {skip} + {measured} needed: no rollout rate")
-    window = cut[skip:skip + measured]
-    span_ms = window[-1]["created_at_ms"] - cut[skip - 1]["created_at_ms"]
+    """The rollout rate alone, from a run whose learner stayed idle: the trainable tokens and
+    trajectories (unmasked members) of training groups skip+1 .. skip+measured, in the order they
+    became ready, over the time from group `skip` being ready to the last of them."""
+    first: dict[str, Mapping[str, Any]] = {}
+    for g in groups:
+        if not g["validation"]:
+            first.setdefault(g["group_id"], g)  # a group event read twice counts once
+    ready = sorted(first.values(), key=lambda g: (g["ready_at_ms"], g["group_id"]))
+    if skip < 1 or measured < 1 or len(ready) < skip + measured:
+        raise ValueError(f"{len(ready)} groups ready, {skip} + {measured} needed: no rollout rate")
+    window = ready[skip:skip + measured]
+    span_ms = window[-1]["ready_at_ms"] - ready[skip - 1]["ready_at_ms"]
     if span_ms <= 0:
-        raise ValueError("the measured batches were cut at the same time as the warm-up's: no rollout rate")
-    tokens = sum(action_tokens(i["trajectory"]) for b in window for i in b["items"])
-    trajectories = sum(len(b["items"]) for b in window)
-    return {"rollout_tokens_per_s": tokens * 1000 / span_ms, "rollout_trajectories_per_s": trajectories * 1000 / span_ms,
-            "rollout_batches": measured, "rollout_window_s": span_ms / 1000}
+        raise ValueError("the measured groups were ready at the same time as the warm-up's: no rollout rate")
+    members = [m["trajectory"] for g in window for m in g["members"] if not m["masked"]]
+    tokens = sum(action_tokens(t) for t in members)
+    return {"rollout_tokens_per_s": tokens * 1000 / span_ms, "rollout_trajectories_per_s": len(members) * 1000 / span_ms,
+            "rollout_groups": measured, "rollout_window_s": span_ms / 1000}
 
 
 def bound(rollout: Mapping[str, float], learner: Mapping[str, float]) -> dict[str, float]:

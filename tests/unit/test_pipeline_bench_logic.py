@@ -83,20 +83,27 @@ def test_the_learner_alone_is_its_measured_steps_tokens_over_their_busy_time(run
     assert warm["learner_tokens_per_s"] == pytest.approx(20 / 4)
 
 
-def _cuts(at_s: list[float], tokens: int = 10, trajectories: int = 2) -> list[dict]:
-    return [{"batch_id": f"b{i}", "index": i, "created_at_ms": int(at * 1000),
-             "items": [{"trajectory": _traj(tokens // trajectories, [0])} for _ in range(trajectories)]}
+def _ready(at_s: list[float], tokens: int = 10, masked: int = 0) -> list[dict]:
+    """Training groups of two members, ready at these times; `masked` of each group's members masked."""
+    return [{"group_id": f"g{i}", "validation": False, "ready_at_ms": int(at * 1000),
+             "members": [{"trajectory": _traj(tokens // 2, [0]), "masked": m < masked} for m in range(2)]}
             for i, at in enumerate(at_s)]
 
 
-def test_the_rollout_alone_starts_after_the_warm_up_cuts():
-    # two cold cuts late (at 20 s), then one every 2 s; two more queued behind the measured three
-    cuts = _cuts([20, 20.5, 22.5, 24.5, 26.5, 27, 27.5])
-    alone = rollout_alone(batches=list(reversed(cuts)), action_tokens=lambda t: t["tokens"], skip=2, measured=3)
+def test_the_rollout_alone_starts_after_the_warm_up_groups():
+    # two cold groups late (at 20 s), then one every 2 s; two more queued behind the measured three
+    groups = _ready([20, 20.5, 22.5, 24.5, 26.5, 27, 27.5])
+    read_twice = list(reversed(groups)) + groups[:3]
+    alone = rollout_alone(groups=read_twice, action_tokens=lambda t: t["tokens"], skip=2, measured=3)
     assert alone["rollout_window_s"] == 6 and alone["rollout_tokens_per_s"] == pytest.approx(30 / 6)
     assert alone["rollout_trajectories_per_s"] == pytest.approx(6 / 6)
-    with pytest.raises(ValueError, match="7 batches cut, 5 \\+ 3 needed"):
-        rollout_alone(batches=cuts, action_tokens=len, skip=5, measured=3)
+    with pytest.raises(ValueError, match="7 groups ready, 5 \\+ 3 needed"):
+        rollout_alone(groups=groups, action_tokens=len, skip=5, measured=3)
+
+
+def test_masked_members_are_not_trainable_rollout_work():
+    alone = rollout_alone(groups=_ready([1, 2, 3], masked=1), action_tokens=lambda t: t["tokens"], skip=1, measured=2)
+    assert alone["rollout_tokens_per_s"] == pytest.approx(10 / 2) and alone["rollout_trajectories_per_s"] == 1
 
 
 def test_the_bound_is_the_slower_stage():
@@ -134,7 +141,7 @@ def test_a_perfect_overlap_of_the_measured_stages_reaches_the_bound_and_never_be
     # the stages alone at the same rates: a learner timed step by step, rollouts cut every rollout_s
     learner = learner_alone(action_tokens=count, warmup_steps=2,
                             **{k: v for k, v in run.items() if k in ("batches", "weights", "metrics")})
-    rollout = rollout_alone(batches=_cuts([k * rollout_s for k in range(1, 13)], tokens=tokens),
+    rollout = rollout_alone(groups=_ready([k * rollout_s for k in range(1, 13)], tokens=tokens),
                             action_tokens=count, skip=2, measured=8)
     result = comparison({"trained_tokens_per_s": 1.0}, async_, bound(rollout, learner))
     assert result["of_bound"] == pytest.approx(1.0, abs=1e-3)
