@@ -69,7 +69,8 @@ class Command(TyperCommand):
         except (ConfigError, Unreachable) as error:
             message = str(error)
         except KafkaException as error:  # the broker refused or could not be reached
-            message = f"Kafka: {error.args[0].str() if error.args else error}"
+            reason = error.args[0] if error.args else error
+            message = f"Kafka: {reason.str() if hasattr(reason, 'str') else reason}"
         typer.echo(f"{command_name(ctx)}: {message}", err=True)
         raise typer.Exit(code=BAD_INPUT)
 

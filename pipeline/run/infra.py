@@ -74,7 +74,8 @@ def wait_for_kafka(kafka: KafkaSettings, timeout_s: float = 60.0) -> None:
             return
         except KafkaException as e:  # while the broker starts, or when it is not there
             if time.monotonic() >= deadline:
-                reason = e.args[0].str() if e.args else str(e)
+                reason = e.args[0] if e.args else e
+                reason = reason.str() if hasattr(reason, "str") else str(reason)
                 raise Unreachable(f"Kafka at {kafka.bootstrap_servers} did not answer within {timeout_s:g} s ({reason})") from None
             time.sleep(0.5)
 

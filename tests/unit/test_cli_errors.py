@@ -15,11 +15,12 @@ from pathlib import Path
 
 import pytest
 import typer
+from confluent_kafka import KafkaError, KafkaException
 from typer.core import TyperCommand
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.cli.toolkit import BAD_INPUT, Command
+from pipeline.cli.toolkit import BAD_INPUT, App, Command
 from pipeline.run.config import REPO_ROOT
 from schemas import topics
 
@@ -134,6 +135,18 @@ def test_an_unreachable_broker_is_one_line_and_nonzero(monkeypatch):
     monkeypatch.setenv("ROLLSTREAM_CONNECT_TIMEOUT_S", "1")
     result = CliRunner().invoke(app, ["infra", "status"])
     _assert_one_line_failure(result, BAD_INPUT, "infra status", "Kafka at 127.0.0.1:1 did not answer within 1 s")
+
+
+def test_a_kafka_error_a_command_raises_is_one_line_and_exit_2():
+    probe = App(name="probe")
+    probe.callback()(lambda: None)
+
+    @probe.command("poll")
+    def poll() -> None:
+        raise KafkaException(KafkaError(KafkaError._TRANSPORT, "Broker transport failure"))
+
+    result = CliRunner().invoke(probe, ["poll"])
+    _assert_one_line_failure(result, BAD_INPUT, "probe poll", "Kafka: Broker transport failure")
 
 
 def test_the_installed_entry_point_runs_as_a_module_and_fails_in_one_line():
