@@ -145,6 +145,7 @@ def _feed_for(count: TrajectoryCount, feed: TaskFeed, seconds: float) -> None:
 
 
 def _start_env_worker(k: int, run: str, model: Path, settings_path: Path, logs: Path) -> subprocess.Popen:
+    """The run's k-th env worker, in a session of its own (SIGKILL takes it whole), logging to `logs`."""
     log = open(logs / f"env-worker-{k}.log", "wb")
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline.cli", "env-worker", "--run", run, "--model", str(model),
