@@ -42,6 +42,9 @@ class VerifySettings(BaseModel):
     """Added to every std (AgentRL: 1e-6), the live path's default."""
     tolerance: float = Field(1e-4, gt=0)
     """Largest accepted difference between a recorded and a recomputed advantage, relative above magnitude 1."""
+    task_adv_norm: bool = True
+    """Whether the run task-normalized its advantages (`streams.task_adv_norm`); off, each item's final
+    advantage must equal its GRPO group advantage."""
     logprob_tolerance: float = Field(1e-4, gt=0)
     """Largest accepted difference between the rollout log-probs of two copies of one trajectory: a
     re-rollout repeats every token, but its log-probs come from another engine batch (measured: 5e-7)."""
@@ -360,6 +363,8 @@ def _check_batches(batches: list[Mapping[str, Any]], first_group: Mapping[str, M
                                    trajectory_id=t["trajectory_id"])
         tasks, tokens = [t["task"] for t in trajs], [action_tokens(t) for t in trajs]
         values, stats = task_normalized([i["group_advantage"] for i in items], tasks, tokens, s)
+        if not s.task_adv_norm:
+            values = np.asarray([i["group_advantage"] for i in items], dtype=np.float64)
         for item, t, value in zip(items, trajs, values):
             final.checked += 1
             if not _close(item["advantage"], float(value), s.tolerance):

@@ -167,7 +167,8 @@ def replay_verify(
     as_json: JsonOption = False,
 ) -> None:
     """Recompute a run's GRPO and task-normalized advantages and token invariants from its topics;
-    print each check and every mismatch; exit 1 when there is any.
+    print each check and every mismatch; exit 1 when there is any. Give the run's --config when it
+    turned task normalization off (`streams.task_adv_norm: false`).
 
     Example:
 
@@ -184,7 +185,7 @@ def replay_verify(
     finally:
         progress.close()
     _report_missing_payloads(stats)
-    report = verify(records, VerifySettings(std=std), run=run, undecodable=stats.undecodable_by_topic)
+    report = verify(records, VerifySettings(std=std, task_adv_norm=cfg.streams.task_adv_norm), run=run, undecodable=stats.undecodable_by_topic)
     if as_json:
         typer.echo(json.dumps(report.as_dict()))
     else:

@@ -66,7 +66,7 @@ def group_event(trajectories: list[dict], ready_ms: int) -> dict:
     return decision.group
 
 
-def synthetic_run() -> dict[str, list[ReplayRecord]]:
+def synthetic_run(streams: StreamsSettings = STREAMS) -> dict[str, list[ReplayRecord]]:
     """Groups g0 (db), g1 (os, one task_error member), g2 (db) trained in two batches; g3 ready after
     the last batch (pending); gv a validation group; versions 0, 1, 2."""
     plan = {"g0": ("db", [1.0, 0.0, 0.5, 1.0], 500, False), "g1": ("os", [1.0, 0.0, 0.0, -0.2], 600, False),
@@ -82,8 +82,8 @@ def synthetic_run() -> dict[str, list[ReplayRecord]]:
             steps += s
         trajectories += members
         groups[gid] = group_event(members, ready)
-    batches = [batching.build_batch(RUN, 0, 0, [groups["g0"], groups["g1"]], STREAMS, 1000),
-               batching.build_batch(RUN, 1, 1, [groups["g2"]], STREAMS, 2000)]
+    batches = [batching.build_batch(RUN, 0, 0, [groups["g0"], groups["g1"]], streams, 1000),
+               batching.build_batch(RUN, 1, 1, [groups["g2"]], streams, 2000)]
     weights = [{**samples.weight_version(), "run": RUN, "version": v, "step": v, "batch_id": b}
                for v, b in enumerate([None, batches[0]["batch_id"], batches[1]["batch_id"]])]
     events = {topics.TRAJECTORIES: trajectories, topics.STEPS: steps, topics.GROUPS: list(groups.values()),
@@ -139,7 +139,8 @@ def test_consistent_synthetic_run_verifies_clean(run):
 def test_report_is_json_serializable_and_says_ok(run):
     data = json.loads(json.dumps(verify(run, run=RUN).as_dict()))
     assert data["ok"] is True and data["mismatches"] == 0
-    assert data["settings"] == {"std": "bessel", "eps": 1e-6, "tolerance": 1e-4, "logprob_tolerance": 1e-4}
+    assert data["settings"] == {"std": "bessel", "eps": 1e-6, "tolerance": 1e-4, "task_adv_norm": True,
+                                "logprob_tolerance": 1e-4}
     assert data["checks"][0]["name"] == "trajectory_ids_unique"
 
 
@@ -172,6 +173,13 @@ def test_masked_flag_that_disagrees_with_the_status_is_reported(run):
 def test_population_std_setting_disagrees_with_a_bessel_run():
     found = failing(synthetic_run(), VerifySettings(std="population"))
     assert {"grpo_advantages", "task_normalized_advantages", "batch_group_advantages"} <= set(found)
+
+
+def test_run_without_task_normalization_verifies_only_when_told_so():
+    plain = synthetic_run(STREAMS.model_copy(update={"task_adv_norm": False}))
+    assert failing(plain, VerifySettings(task_adv_norm=False)) == {}
+    assert set(failing(plain)) == {"task_normalized_advantages"}
+    assert set(failing(synthetic_run(), VerifySettings(task_adv_norm=False))) == {"task_normalized_advantages"}
 
 
 def test_wrong_normalized_advantage_is_reported(run):
