@@ -15,9 +15,8 @@ from minio.lifecycleconfig import Expiration, LifecycleConfig, Rule
 from test_learner_process import make_batch, make_loop, save_tiny_model, weight_events
 from typer.testing import CliRunner
 
-from pipeline.cli import infra as infra_cmd
-
 from pipeline.cli import replay as replay_cmd
+from pipeline.run import infra as run_infra
 from pipeline.analysis.replay import read_topic, store_fetch
 from schemas import codec as codec_module
 from schemas import objectstore, topics
@@ -128,11 +127,11 @@ def test_replay_reports_a_batch_whose_stored_payload_was_deleted_and_writes_it_w
 
 def test_infra_init_expires_payloads_with_the_batches_retention_idempotently(infra):
     mc = objectstore.client(infra.object_store)
-    days = infra_cmd.expiration_days(infra_cmd.topic_retention_ms(
+    days = run_infra.expiration_days(run_infra.topic_retention_ms(
         AdminClient(infra.kafka.as_confluent()), topics.BATCHES))
     rules = mc.get_bucket_lifecycle(topics.PAYLOADS_BUCKET).rules
-    assert [(r.rule_id, r.expiration.days) for r in rules] == [(infra_cmd.EXPIRY_RULE_ID, days)]
-    assert infra_cmd.ensure_expiration(mc, topics.PAYLOADS_BUCKET, days) is False
+    assert [(r.rule_id, r.expiration.days) for r in rules] == [(run_infra.EXPIRY_RULE_ID, days)]
+    assert run_infra.ensure_expiration(mc, topics.PAYLOADS_BUCKET, days) is False
 
     bucket = f"expiry-{uuid.uuid4().hex[:10]}"
     mc.make_bucket(bucket)
@@ -140,12 +139,12 @@ def test_infra_init_expires_payloads_with_the_batches_retention_idempotently(inf
         other = Rule(ENABLED, rule_filter=Filter(prefix="tmp/"), rule_id="someone-else",
                      expiration=Expiration(days=1))
         mc.set_bucket_lifecycle(bucket, LifecycleConfig([other]))
-        assert infra_cmd.ensure_expiration(mc, bucket, 3) is True
-        assert infra_cmd.ensure_expiration(mc, bucket, 3) is False
-        assert infra_cmd.ensure_expiration(mc, bucket, 8) is True
+        assert run_infra.ensure_expiration(mc, bucket, 3) is True
+        assert run_infra.ensure_expiration(mc, bucket, 3) is False
+        assert run_infra.ensure_expiration(mc, bucket, 8) is True
         assert sorted((r.rule_id, r.expiration.days) for r in mc.get_bucket_lifecycle(bucket).rules) == [
-            (infra_cmd.EXPIRY_RULE_ID, 8), ("someone-else", 1)]
-        assert infra_cmd.ensure_expiration(mc, bucket, None) is True
+            (run_infra.EXPIRY_RULE_ID, 8), ("someone-else", 1)]
+        assert run_infra.ensure_expiration(mc, bucket, None) is True
         assert [r.rule_id for r in mc.get_bucket_lifecycle(bucket).rules] == ["someone-else"]
     finally:
         mc.remove_bucket(bucket)
