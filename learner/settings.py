@@ -60,6 +60,9 @@ class LearnerSettings(BaseModel):
     """Newest checkpoints kept (not in the paper; verl keeps all unless told otherwise)."""
     poll_timeout_s: float = Field(1.0, gt=0)
     """How long one poll of `batches` waits before the loop checks for a stop (not in the paper)."""
+    seed: int = Field(0, ge=0)
+    """Seeds torch's RNG when the process starts (not in the paper; a run sets it from its `seed`); a resumed
+    learner takes the RNG states its checkpoint saved instead."""
 
     @property
     def bucket_size_bytes(self) -> int:

@@ -30,6 +30,7 @@ from pipeline.cli import replay as replay_cmd
 from pipeline.cli import report as report_cmd
 from pipeline.cli import smoke
 from pipeline.cli import streams as streams_cmd
+from pipeline.cli import study as study_cmd
 from pipeline.cli import up as up_cmd
 from pipeline.cli.toolkit import ROOT, App
 
@@ -60,6 +61,7 @@ bench_app.command("faults")(bench_faults.bench_faults)
 bench_app.command("scale")(bench_scale.bench_scale)
 bench_app.command("pipeline")(bench_pipeline.bench_pipeline)
 app.command("up")(up_cmd.up)
+app.command("study")(study_cmd.study)
 app.command("eval")(eval_cmd.eval_checkpoint)
 app.command("report")(report_cmd.report)
 app.add_typer(replay_cmd.app, name="replay")

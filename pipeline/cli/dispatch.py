@@ -55,7 +55,8 @@ def dispatch(
             validation_sources=parse_sources(val_families, HELD_OUT_SPLITS, parse_limit(val_samples),
                                              envs=envs) if val_families else (),
             group_size=group_size, batch_size=batch_size, max_in_flight_groups=max_in_flight,
-            val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train)
+            val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train,
+            seed=cfg.seed)  # the run seed: the configuration's (`up` passes the whole of it)
     except ValidationError as e:
         fail("; ".join(err["msg"] for err in e.errors()))
     except ValueError as e:

@@ -148,7 +148,7 @@ def run_dispatcher(kafka: KafkaSettings, run: str, settings: logic.DispatcherSet
     """Dispatches training groups until the run holds max_groups of them (validation rounds as
     they fall due meanwhile); returns a summary. Resumes from what tasks.requested holds."""
     done = read_dispatched(kafka, run, settings.sources)
-    cursor = logic.cursor_from_dispatched(settings.sources, done.slots)
+    cursor = logic.cursor_from_dispatched(settings.sources, done.slots, settings.seed)
     train_ids = {logic.group_id(run, s.task, s.split, s.sample_index, s.epoch) for s in done.slots}
     summary = {"run": run, "resumed_groups": len(train_ids), "resumed_at_position": cursor.position,
                "dispatched_groups": 0, "validation_rounds": []}
@@ -171,7 +171,7 @@ def run_dispatcher(kafka: KafkaSettings, run: str, settings: logic.DispatcherSet
                 break
             in_flight = logic.in_flight(train_ids, progress.trained(), progress.released)
             budget = min(logic.dispatch_budget(settings, in_flight), remaining)
-            slots, cursor = logic.next_slots(settings.sources, cursor, budget)
+            slots, cursor = logic.next_slots(settings.sources, cursor, budget, settings.seed)
             events = [e for s in slots for e in logic.requests_for(run, s, settings.group_size, False, version, clock())]
             if events:
                 _send(producer, events)

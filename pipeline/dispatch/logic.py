@@ -6,6 +6,8 @@ source cycles through its own samples independently, and a source's `epoch` coun
 passes. With weights all 1, global position k maps to source k % S, the j = k // S-th group of
 that source: sample j % count, epoch j // count. Because this mapping is a pure function of k, the
 cursor is just a position, and a restart rebuilds it from what tasks.requested already holds.
+A run seed other than 0 visits each source's samples in a shuffled order, a permutation of its own
+per (seed, source, epoch) (`sample_order`); seed 0 keeps the samples in index order.
 
 Flow control: at most max_in_flight groups may be dispatched and not yet in a trained batch
 (AgentRL's queue size, 2 x batch_size groups), which bounds off-policy drift without a barrier.
@@ -17,6 +19,8 @@ current pool), and epoch = r so each round has its own group ids.
 
 from __future__ import annotations
 
+import functools
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +66,8 @@ class DispatcherSettings(BaseModel):
     """Rollouts per validation sample (paper: n = 4)."""
     val_before_train: bool = True
     """Run validation round 0 at version 0, before any training step (verl's val_before_train)."""
+    seed: int = Field(0, ge=0)
+    """The run seed (rollstream's): other than 0, each source's samples come in a shuffled order per epoch."""
 
     @model_validator(mode="after")
     def _train_and_validation_sources_are_disjoint(self) -> DispatcherSettings:
@@ -101,44 +107,56 @@ class Cursor:
     ahead: frozenset[int] = frozenset()
 
 
+@functools.lru_cache(maxsize=256)
+def sample_order(seed: int, task: str, split: str, count: int, epoch: int) -> tuple[tuple[int, ...], dict[int, int]]:
+    """(the sample indices in the order one epoch of a source visits them, each index's place in it):
+    index order for seed 0, else a permutation drawn from (seed, task, split, epoch) alone, so every
+    process and every restart of the run draws the same one (a str seeds `random` through sha512,
+    independent of PYTHONHASHSEED)."""
+    order = list(range(count))
+    if seed:
+        random.Random(f"{seed}/{task}/{split}/{epoch}").shuffle(order)
+    return tuple(order), {index: place for place, index in enumerate(order)}
 
 
-
-def slot_at(sources: Sequence[TaskSource], position: int) -> Slot:
-    """The sample at global interleave position `position`."""
+def slot_at(sources: Sequence[TaskSource], position: int, seed: int = 0) -> Slot:
+    """The sample at global interleave position `position` (in the order of run seed `seed`)."""
     turn, offset = divmod(position, sum(source.weight for source in sources))
     for source in sources:
         if offset < source.weight:
             j = turn * source.weight + offset  # the source's j-th group
-            return Slot(source.task, source.split, j % source.count, j // source.count)
+            epoch = j // source.count
+            order, _ = sample_order(seed, source.task, source.split, source.count, epoch)
+            return Slot(source.task, source.split, order[j % source.count], epoch)
         offset -= source.weight
     raise AssertionError("unreachable: offset < the sum of the weights")
 
 
-def position_of(sources: Sequence[TaskSource], slot: Slot) -> int:
+def position_of(sources: Sequence[TaskSource], slot: Slot, seed: int = 0) -> int:
     """Inverse of slot_at; ValueError when the slot does not belong to the training sources."""
     before = 0  # positions of the other sources ahead of this one in each turn
     for source in sources:
         if (source.task, source.split) == (slot.task, slot.split):
             if not 0 <= slot.sample_index < source.count or slot.epoch < 0:
                 raise ValueError(f"{slot} is outside {source.task}/{source.split} (count {source.count})")
-            turn, offset = divmod(slot.epoch * source.count + slot.sample_index, source.weight)
+            _, place = sample_order(seed, source.task, source.split, source.count, slot.epoch)
+            turn, offset = divmod(slot.epoch * source.count + place[slot.sample_index], source.weight)
             return turn * sum(s.weight for s in sources) + before + offset
         before += source.weight
     raise ValueError(f"{slot.task}/{slot.split} is not a training source")
 
 
-def cursor_from_dispatched(sources: Sequence[TaskSource], dispatched: Iterable[Slot]) -> Cursor:
+def cursor_from_dispatched(sources: Sequence[TaskSource], dispatched: Iterable[Slot], seed: int = 0) -> Cursor:
     """Rebuilds the cursor from the training groups already in tasks.requested, so a restart
     neither re-dispatches nor skips a sample."""
-    done = {position_of(sources, s) for s in dispatched}
+    done = {position_of(sources, s, seed) for s in dispatched}
     position = 0
     while position in done:
         position += 1
     return Cursor(position, frozenset(p for p in done if p > position))
 
 
-def next_slots(sources: Sequence[TaskSource], cursor: Cursor, budget: int) -> tuple[list[Slot], Cursor]:
+def next_slots(sources: Sequence[TaskSource], cursor: Cursor, budget: int, seed: int = 0) -> tuple[list[Slot], Cursor]:
     """Up to `budget` next slots in interleave order, skipping already-dispatched positions, and
     the cursor after them."""
     slots: list[Slot] = []
@@ -147,7 +165,7 @@ def next_slots(sources: Sequence[TaskSource], cursor: Cursor, budget: int) -> tu
         if position in ahead:
             ahead.discard(position)
         else:
-            slots.append(slot_at(sources, position))
+            slots.append(slot_at(sources, position, seed))
         position += 1
     while position in ahead:
         ahead.discard(position)
@@ -188,7 +206,7 @@ def requests_for(run: str, slot: Slot, group_size: int, validation: bool, policy
 def plan_training(run: str, settings: DispatcherSettings, cursor: Cursor, groups_in_flight: int,
                   policy_version: int, now_ms: int) -> tuple[list[dict[str, Any]], Cursor]:
     """The training requests to send now (whole groups, within the in-flight bound) and the new cursor."""
-    slots, cursor = next_slots(settings.sources, cursor, dispatch_budget(settings, groups_in_flight))
+    slots, cursor = next_slots(settings.sources, cursor, dispatch_budget(settings, groups_in_flight), settings.seed)
     events = [e for s in slots for e in requests_for(run, s, settings.group_size, False, policy_version, now_ms)]
     return events, cursor
 

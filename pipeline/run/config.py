@@ -116,6 +116,11 @@ class RollstreamConfig(BaseSettings):
 
     run: str = "local"
     """Run id stamped on every event of the run."""
+    seed: int = Field(0, ge=0)
+    """The run seed (rollstream's; `rollstream study` runs one configuration under several): the dispatcher's
+    sample order (0: index order), the engines' per-request sampling seeds and the learner's torch RNG. The
+    starting policy is not remade per seed (one `model init` + `model sft` is shared by every seed: remaking
+    it would cost more than the run)."""
     kafka: KafkaSettings = KafkaSettings()
     """Event bus connection."""
     object_store: ObjectStoreSettings = ObjectStoreSettings()
@@ -163,8 +168,8 @@ class RollstreamConfig(BaseSettings):
 
     def learner_settings(self) -> LearnerSettings:
         """The learner's settings as the run gives them: its stale_step (retention, stale broadcasts)
-        is the streams' stale_step, set once under `streams:`."""
-        return self.learner.model_copy(update={"stale_step": self.streams.stale_step})
+        is the streams' stale_step, set once under `streams:`, and its seed is the run's `seed`."""
+        return self.learner.model_copy(update={"stale_step": self.streams.stale_step, "seed": self.seed})
 
     def policy_dir(self) -> Path:
         """The policy checkpoint directory, a relative policy.path taken from the repository root."""

@@ -88,6 +88,7 @@ def run_learner(cfg: RollstreamConfig, settings: LearnerSettings, job: LearnerJo
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    torch.manual_seed(settings.seed)  # a resume replaces it with the checkpoint's RNG states
     model, ref, model_config = load_policy(job.model_path)
     optimizer = make_optimizer(model, settings)
     stop = _StopFlag()

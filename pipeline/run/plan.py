@@ -61,7 +61,7 @@ def streams_child(cfg: RollstreamConfig, run: str, run_dir: Path, web_port: int,
 def env_worker_children(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
                         engine_urls: dict[str, list[str]], env: EnvSettings) -> list[Child]:
     settings = EnvWorkerSettings(max_concurrency=cfg.env_workers.concurrency, engine_urls=engine_urls,
-                                 agent_loop=cfg.agent_loop, env=env)
+                                 agent_loop=cfg.agent_loop, env=env, seed=cfg.seed)
     settings_path = run_dir / "settings" / "env_worker.json"
     files = {str(settings_path): settings_json(settings)}
     return [Child(f"env-worker-{i}", rollstream(

@@ -1,0 +1,188 @@
+"""`rollstream study`: one configuration run under N seeds and several variants, side by side.
+
+For each seed, for each variant, one `rollstream up` run with the variant's overrides and the seed
+(run id `<study>-<variant>-s<seed>`), each a subprocess of its own: a run that crashes is recorded
+(variant, seed, error) and the study goes on. Then `runs/<study>/study.json` and `study.png`
+(pipeline/analysis/study.py): per variant and family, how many seeds improved outside the noise and
+the mean change. study.json is rewritten after every run, so a study stopped half-way keeps what it
+measured.
+
+What a seed changes (the configuration's `seed`): the dispatcher's sample order, the engines'
+per-request sampling seeds and the learner's torch RNG. The starting policy is shared by every
+seed and variant: `up` makes it once when it does not exist, and remaking it per seed (`model init`
++ `model sft`) would cost more than the runs themselves. Every variant runs on the same seeds, so
+the variants are compared on the same task orders and, where their prompts and weights agree (the
+validation round before training), on the same samples.
+
+The variants are the AgentRL paper's ablations, as configuration overrides in one table (VARIANTS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from pipeline.analysis.study import plot_study, study_document
+from pipeline.run.config import (
+    REPO_ROOT,
+    ConfigError,
+    RollstreamConfig,
+    validation_message,
+    write_config,
+)
+from pipeline.run.plan import rollstream
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "base": {},
+    "no-task-norm": {"streams": {"task_adv_norm": False}},  # GRPO advantages only
+    "no-cross": {"streams": {"stale_ratio": 0.0}},  # no cross-policy sampling (the stale engines idle)
+    "trajectory-mix": {"streams": {"routing_mode": "trajectory"}},  # one pool per trajectory, not per turn
+}
+"""Variant name -> the configuration overrides it runs with (nested as in the YAML file)."""
+
+INTERRUPTED_EXIT = 130  # what `rollstream up` exits with after Ctrl-C
+
+
+class StudyExists(ValueError):
+    """The study's folder already holds a study.json: its run ids are taken (a run id starts one run)."""
+
+
+def parse_variants(text: str) -> tuple[str, ...]:
+    """"base,no-cross" -> the variants in that order, each once; ConfigError naming an unknown one."""
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise ConfigError(f"unknown variant {', '.join(unknown)}; variants: {', '.join(VARIANTS)}")
+    if not names:
+        raise ConfigError(f"no variant given; variants: {', '.join(VARIANTS)}")
+    return names
+
+
+def run_id(study: str, variant: str, seed: int) -> str:
+    return f"{study}-{variant}-s{seed}"
+
+
+def _paths(overrides: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out = []
+    for key, value in overrides.items():
+        out += _paths(value, (*prefix, key)) if isinstance(value, Mapping) else [(*prefix, key)]
+    return out
+
+
+def env_conflicts(variants: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """ROLLSTREAM_ variables that would override what the study sets (the seed, a variant's fields):
+    the environment wins over a configuration file, so a run would silently not be what it says."""
+    names = {"ROLLSTREAM_SEED"}
+    for variant in variants:
+        for path in _paths(VARIANTS[variant]):
+            names |= {"ROLLSTREAM_" + "__".join(path[:i]).upper() for i in range(1, len(path) + 1)}
+    return sorted(k for k in environ if k.upper() in names)
+
+
+def _merged(base: Mapping[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merged(out[key], value) if isinstance(value, Mapping) and isinstance(out.get(key), Mapping) else value
+    return out
+
+
+def variant_config(cfg: RollstreamConfig, variant: str, seed: int) -> RollstreamConfig:
+    """`cfg` with the variant's overrides and the seed, validated again; ConfigError when they do not fit."""
+    data = _merged(cfg.as_data(), {**VARIANTS[variant], "seed": seed})
+    try:
+        return RollstreamConfig(**data)
+    except ValidationError as error:
+        raise ConfigError(f"variant {variant}, seed {seed}: {validation_message(error)}") from None
+
+
+def _last_line(log: Path) -> str:
+    lines = [line.strip() for line in log.read_text(errors="replace").splitlines()[-50:] if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
+def run_one(cfg: RollstreamConfig, run: str, study_dir: Path) -> tuple[dict[str, Any], bool]:
+    """One `rollstream up` subprocess for `cfg` as run `run`; (its record, whether it was interrupted).
+    Its progress goes to <study>/logs/<run>.log; it is told the configuration through a file."""
+    config_path = study_dir / "configs" / f"{run}.json"
+    write_config(cfg, config_path)
+    log_path = study_dir / "logs" / f"{run}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = rollstream("up", "--config", str(config_path), "--run", run, "--json", "--no-live")
+    started = time.monotonic()
+    interrupted = False
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        try:
+            out, _ = proc.communicate()
+        except KeyboardInterrupt:  # the run got the same Ctrl-C: let it stop its processes
+            out, _ = proc.communicate()
+            interrupted = True
+    record: dict[str, Any] = {"run": run, "duration_s": round(time.monotonic() - started, 1)}
+    interrupted = interrupted or proc.returncode == INTERRUPTED_EXIT
+    try:
+        record["outcome"] = json.loads(out)["outcome"] if out.strip() else None
+    except (ValueError, KeyError, TypeError):
+        record["outcome"] = None
+    summary_path = cfg.run_dir(run) / "summary.json"
+    if proc.returncode != 0:
+        record["error"] = f"exit {proc.returncode}: {_last_line(log_path)} (log {log_path})"
+    elif not summary_path.is_file():
+        record["error"] = f"no report (summary.json): {_last_line(log_path)} (log {log_path})"
+    else:
+        record["summary"] = json.loads(summary_path.read_text())
+    return record, interrupted
+
+
+def run_study(cfg: RollstreamConfig, study: str, seeds: int, variants: Sequence[str], *,
+              config_path: Path | None = None, say: Callable[[str], None] = lambda line: None,
+              run: Callable[[RollstreamConfig, str, Path], tuple[dict[str, Any], bool]] = run_one) -> dict[str, Any]:
+    """Runs every (seed, variant) of the study, seed by seed, and writes runs/<study>/study.json and
+    study.png; returns study.json's content. Raises ConfigError for a variant that does not validate or
+    an environment variable that would override the study, StudyExists for a study already run.
+    `run` runs one (a test may pass its own)."""
+    conflicts = env_conflicts(variants, os.environ)
+    if conflicts:
+        raise ConfigError(f"unset {', '.join(conflicts)}: the study sets these itself")
+    plan = [(seed, variant, variant_config(cfg, variant, seed)) for seed in range(seeds) for variant in variants]
+    study_dir = cfg.run_dir(study)
+    if (study_dir / "study.json").exists():
+        raise StudyExists(f"study {study} exists ({study_dir / 'study.json'}); choose another --study")
+    study_dir.mkdir(parents=True, exist_ok=True)
+    records: list[dict[str, Any]] = []
+    overrides = {v: VARIANTS[v] for v in variants}
+    interrupted = False
+    _write(study_dir, study_document(study, _name(config_path), range(seeds), overrides, records))  # claims the ids
+    for i, (seed, variant, run_cfg) in enumerate(plan, 1):
+        rid = run_id(study, variant, seed)
+        say(f"study {study}: run {i}/{len(plan)} {rid} (variant {variant}, seed {seed})")
+        record, interrupted = run(run_cfg, rid, study_dir)
+        records.append({"variant": variant, "seed": seed, **record})
+        say(f"study {study}: {rid} " + (f"failed: {record['error']}" if record.get("error")
+                                         else f"{record.get('outcome')} in {record['duration_s']:.0f} s"))
+        _write(study_dir, study_document(study, _name(config_path), range(seeds), overrides, records,
+                                         interrupted=interrupted))
+        if interrupted:
+            say(f"study {study}: interrupted after {i} of {len(plan)} runs")
+            break
+    document = study_document(study, _name(config_path), range(seeds), overrides, records, interrupted=interrupted)
+    if plot_study(document["results"], study_dir / "study.png"):
+        document["figure"] = "study.png"
+    _write(study_dir, document)
+    return {**document, "folder": str(study_dir)}
+
+
+def _name(path: Path | None) -> str | None:
+    return None if path is None else str(path)
+
+
+def _write(study_dir: Path, document: Mapping[str, Any]) -> None:
+    tmp = study_dir / "study.json.tmp"
+    tmp.write_text(json.dumps(document, indent=2, sort_keys=True) + "\n")
+    tmp.replace(study_dir / "study.json")  # never half a file, also when the study is stopped mid-write
