@@ -142,8 +142,10 @@ class RollstreamConfig(BaseSettings):
     """Grouping, routing and batching (n 8, batch 256, stale ratio 0.25, stale_step 25, first batch 1.7x, ...)."""
     learner: LearnerSettings = LearnerSettings()
     """PPO + KL (lr 1e-6, clip 0.2, dual clip 3, KL 1e-4, ...)."""
-    max_steps: int = Field(100, ge=1)
-    """Learner steps a `rollstream up` run trains for before its final validation and report."""
+    max_steps: int = Field(1000, ge=1)
+    """Learner steps a `rollstream up` run trains for before its final validation and report. 1000 is the
+    AgentRL paper's training length as we read it; no section of the paper is cited for it here, so treat it
+    as ours until someone checks. Every shipped configuration sets its own."""
     max_restarts: int = Field(3, ge=0)
     """Times `rollstream up` restarts a process that died on its own (the learner with --resume); 0 ends the run."""
     runs_dir: Path = Path("runs")
