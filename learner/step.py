@@ -106,26 +106,67 @@ def train_step(
         raise ValueError("the batch has no action tokens to train on")
     world, rank = (sync.world, sync.rank) if sync is not None else (1, 0)
     share = rank_share(len(micro_batches), world, rank)
-    device, ref_device = _device_of(model), _device_of(ref_model)
 
     # --- phase 1: reference log-probs (frozen initial policy) of this rank's micro-batches, no graph kept ---
     started = clock()
-    ref_model.eval()
-    ref_logprobs: list[torch.Tensor] = []
-    with torch.no_grad():
-        for index, _ in share:
-            mb = micro_batches[index]
-            input_ids = _tensor(mb.input_ids, ref_device)  # (B, T)
-            logits = next_token_logits(
-                ref_model, input_ids, _tensor(mb.attention_mask, ref_device), settings.temperature
-            )  # (B, T-1, V)
-            ref_logprobs.append(token_logprobs(logits, input_ids).to(device))  # (B, T-1)
+    ref_logprobs = _reference_logprobs(ref_model, [micro_batches[index] for index, _ in share], settings,
+                                       _device_of(model))
     ref_done = clock()
 
     # --- phase 2: actor forward/backward per micro-batch, gradients accumulate; only the last backward syncs ---
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    shares: dict[str, list[torch.Tensor]] = defaultdict(list)  # metric -> per-micro-batch shares, on device
+    shares = _accumulate_gradients(model, micro_batches, share, ref_logprobs, global_action_tokens, settings,
+                                   sync, world)
+
+    # --- phase 3: metrics summed over ranks, then clip and step (on identical gradients), free the gradients ---
+    names = sorted(shares)
+    # Each share is already divided by the batch's action tokens, so their sum is the token-mean.
+    totals = torch.stack([torch.stack(shares[name]).sum() for name in names])  # (M,)
+    if sync is not None:
+        sync.sum_over_ranks(totals)
+    grad_norm_value, step_skipped, lr = _clip_and_step(optimizer, settings)
+    actor_done = clock()
+
+    result = {name: float(value) for name, value in zip(names, totals, strict=True)}
+    result.update(
+        {
+            "actor/grad_norm": grad_norm_value,
+            "actor/step_skipped": float(step_skipped),
+            "actor/lr": lr,
+            "actor/action_tokens": float(global_action_tokens),
+            "actor/tokens": float(sum(int(mb.attention_mask.sum()) for mb in micro_batches)),
+            "actor/micro_batches": float(len(micro_batches)),
+            "timing/ref_s": ref_done - started,
+            "timing/actor_s": actor_done - ref_done,
+        }
+    )
+    return result
+
+
+def _reference_logprobs(ref_model: torch.nn.Module, micro_batches: Sequence[MicroBatch], settings: LearnerSettings,
+                        device: torch.device) -> list[torch.Tensor]:
+    """The frozen reference policy's log-probs of each micro-batch's tokens, on the actor's device."""
+    ref_device = _device_of(ref_model)
+    ref_model.eval()
+    out: list[torch.Tensor] = []
+    with torch.no_grad():
+        for mb in micro_batches:
+            input_ids = _tensor(mb.input_ids, ref_device)  # (B, T)
+            logits = next_token_logits(
+                ref_model, input_ids, _tensor(mb.attention_mask, ref_device), settings.temperature
+            )  # (B, T-1, V)
+            out.append(token_logprobs(logits, input_ids).to(device))  # (B, T-1)
+    return out
+
+
+def _accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[MicroBatch],
+                          share: Sequence[tuple[int, float]], ref_logprobs: Sequence[torch.Tensor],
+                          global_action_tokens: int, settings: LearnerSettings, sync: GradientSync | None,
+                          world: int) -> dict[str, list[torch.Tensor]]:
+    """Forward and backward of this rank's micro-batches; returns metric -> per-micro-batch shares (on device)."""
+    device = _device_of(model)
+    shares: dict[str, list[torch.Tensor]] = defaultdict(list)
     for n, ((index, weight), ref_lp) in enumerate(zip(share, ref_logprobs, strict=True)):
         mb = micro_batches[index]
         local = sync is not None and n < len(share) - 1
@@ -153,13 +194,11 @@ def train_step(
             (loss * (weight * world)).backward()
         for name, value in (metrics | {"actor/loss": loss.detach()}).items():
             shares[name].append(value * weight)
+    return shares
 
-    # --- phase 3: metrics summed over ranks, then clip and step (on identical gradients), free the gradients ---
-    names = sorted(shares)
-    # Each share is already divided by the batch's action tokens, so their sum is the token-mean.
-    totals = torch.stack([torch.stack(shares[name]).sum() for name in names])  # (M,)
-    if sync is not None:
-        sync.sum_over_ranks(totals)
+
+def _clip_and_step(optimizer: torch.optim.Optimizer, settings: LearnerSettings) -> tuple[float, bool, float]:
+    """Clips the gradients, steps unless their norm is not finite, frees them; (grad norm, skipped, lr)."""
     grad_norm = torch.nn.utils.clip_grad_norm_(
         [p for group in optimizer.param_groups for p in group["params"]], settings.grad_clip
     )
@@ -172,19 +211,4 @@ def train_step(
             group["lr"] = lr
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    actor_done = clock()
-
-    result = {name: float(value) for name, value in zip(names, totals, strict=True)}
-    result.update(
-        {
-            "actor/grad_norm": grad_norm_value,
-            "actor/step_skipped": float(step_skipped),
-            "actor/lr": lr,
-            "actor/action_tokens": float(global_action_tokens),
-            "actor/tokens": float(sum(int(mb.attention_mask.sum()) for mb in micro_batches)),
-            "actor/micro_batches": float(len(micro_batches)),
-            "timing/ref_s": ref_done - started,
-            "timing/actor_s": actor_done - ref_done,
-        }
-    )
-    return result
+    return grad_norm_value, step_skipped, lr
