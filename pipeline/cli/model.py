@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 from env_workers.chat_template import ChatEncoder
 from env_workers.envs import registry
 from pipeline.cli.toolkit import CHECK_FAILED, App, ConfigOption, JsonOption, QuietOption, fail
-from pipeline.policy.demonstrations import DemonstrationError
+from pipeline.policy.demonstrations import DemonstrationError, split_error
 from pipeline.policy.model_init import PolicyModelSettings, init_model
 from pipeline.policy.sft import TRAIN_SPLITS, EvalSettings, SftSettings
 from pipeline.policy.warm_start import collect_demonstrations, evaluate, fine_tune
@@ -85,6 +85,23 @@ def _sample_counts(text: str, names: tuple[str, ...]) -> dict[str, int]:
     return {name: counts[name] for name in names}
 
 
+def _family_splits(option: str, pairs: list[str], names: tuple[str, ...]) -> dict[str, str]:
+    """`--split` / `--eval-split`: FAMILY=SPLIT pairs, each a family trained here and a split the registry has."""
+    splits: dict[str, str] = {}
+    for pair in pairs:
+        family, _, split = pair.partition("=")
+        if not family or not split:
+            fail(f"{option}: expected FAMILY=SPLIT, got {pair!r}")
+        splits[family] = split
+    problem = split_error(splits)
+    if problem:
+        fail(f"{option}: {problem}")
+    untrained = [family for family in splits if family not in names]
+    if untrained:
+        fail(f"{option} names {', '.join(untrained)}, which --families does not train")
+    return splits
+
+
 def _check_paths(names: tuple[str, ...], families: str, model: Path, out: Path, force: bool) -> None:
     unknown = [name for name in names if name not in TRAIN_SPLITS]
     if not names or unknown:
@@ -112,6 +129,12 @@ def sft(
     seed: int = typer.Option(SftSettings().seed, "--seed", help="Seed of the demonstration order."),
     eval_episodes: int = typer.Option(EvalSettings().episodes, "--eval-episodes",
                                       help="Held-out rollouts per family (0: no evaluation)."),
+    split: list[str] = typer.Option([], "--split", help="FAMILY=SPLIT the family's demonstrations come from "
+                                    "(repeatable; e.g. db=easy-train). Default: " +
+                                    ", ".join(f"{k}={v}" for k, v in SftSettings().train_splits.items())),
+    eval_split: list[str] = typer.Option([], "--eval-split", help="FAMILY=SPLIT the family's success is measured "
+                                         "on (repeatable). Default: " +
+                                         ", ".join(f"{k}={v}" for k, v in EvalSettings().splits.items())),
     config: ConfigOption = None,
     force: bool = typer.Option(False, "--force", help="Write into a directory that is not empty."),
     quiet: QuietOption = False,
@@ -120,18 +143,20 @@ def sft(
     """Fine-tune a policy on oracle demonstrations (assistant tokens only), then measure each family's
     success rate by real rollouts against a vLLM engine serving the new checkpoint (temperature 0.8).
     The configuration's task environments (`envs`: data, calc difficulty, sandbox) give the
-    demonstrations and the evaluation.
+    demonstrations and the evaluation; --split and --eval-split choose other splits (e.g. the easy tiers).
 
-    Example: rollstream model sft --model .run/policy --out .run/policy-sft --families calc --json
+    Example: rollstream model sft --model .run/policy --out .run/policy-sft --families db --split db=easy-train
     """
     envs = load_config(config).envs
     names = tuple(name for name in families.split(",") if name)
     _check_paths(names, families, model, out, force)
     counts = _sample_counts(samples, names)
+    train_splits = _family_splits("--split", split, names)
+    eval_splits = _family_splits("--eval-split", eval_split, names)
     try:
         settings = SftSettings(families=names, samples=counts, epochs=epochs, batch_size=batch_size, lr=lr,
-                               max_tokens_per_micro_batch=micro_tokens, seed=seed)
-        evaluation = EvalSettings(episodes=eval_episodes)
+                               max_tokens_per_micro_batch=micro_tokens, seed=seed, train_splits=train_splits)
+        evaluation = EvalSettings(episodes=eval_episodes, splits=eval_splits)
     except ValidationError as error:
         fail(f"{error.errors()[0]['loc'][0]}: {error.errors()[0]['msg']}")
     started = time.perf_counter()
@@ -170,10 +195,11 @@ def _print_report(report: dict[str, Any]) -> None:
     if evaluation:
         table = Table(title=f"success by real rollouts ({evaluation['episodes_per_family']} held-out episodes per "
                             f"family, temperature {evaluation['temperature']})")
-        for column in ("family", "episodes", "success rate", "mean reward", "statuses"):
+        for column in ("family", "split", "episodes", "success rate", "mean reward", "statuses"):
             table.add_column(column)
         for row in evaluation["table"]:
-            table.add_row(row["family"], str(row["episodes"]), f"{row['success_rate']:.0%}", f"{row['mean_reward']:.3f}",
+            table.add_row(row["family"], evaluation["split"].get(row["family"], ""), str(row["episodes"]),
+                          f"{row['success_rate']:.0%}", f"{row['mean_reward']:.3f}",
                           ", ".join(f"{k} {v:.0%}" for k, v in row["statuses"].items()))
         console.print(table)
     console.print(f"total {report['total_s']:.0f} s")

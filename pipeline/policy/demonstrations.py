@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from env_workers.chat_template import ChatEncoder
+from env_workers.envs import registry
 from env_workers.envs.base import Environment, Policy, Status, TaskError
 
 FULL_CREDIT = 1.0
@@ -59,6 +60,20 @@ class Demonstration:
     @property
     def target_tokens(self) -> int:
         return sum(self.loss_mask)
+
+
+def split_error(splits: Mapping[str, str]) -> str | None:
+    """Why (family, split) pairs cannot be asked for demonstrations or evaluation, in one line; None when
+    the registry has every family and split. Checked before anything is loaded: a typo in a split name
+    would otherwise surface only after the tokenizer and the first families' episodes."""
+    for family, split in splits.items():
+        try:
+            known = registry.split_names(family)
+        except registry.UnknownFamily as error:
+            return str(error)
+        if split not in known:
+            return f"family {family!r} has no split {split!r}; splits: {', '.join(known)}"
+    return None
 
 
 def template_message(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -5,7 +5,8 @@ policy that never completes a task (no reward signal, and a random model's sampl
 the tokenizer's own encoding of their text, which the agent loop ends as agent_validation_failed).
 `sft` fixes that:
 
-1. demonstrations from each family's golden policy on its train split (pipeline/policy/demonstrations.py);
+1. demonstrations from each family's golden policy on its train split (SftSettings.train_splits: TRAIN_SPLITS
+   unless a run names e.g. the easy tiers; pipeline/policy/demonstrations.py);
 2. AdamW on token-mean cross-entropy over the assistant tokens only, one optimizer step per batch
    of demonstrations of one family, micro-batches packed by a token budget (learner.microbatch),
    the family's shared prompt prefix run once per micro-batch (`suffix_logits`: same loss and
@@ -34,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from env_workers.agent_loop import Rollout, run_agent_loop
 from env_workers.chat_template import ChatEncoder
@@ -93,6 +94,14 @@ class SftSettings(BaseModel):
     (about 1.6 GB of attention activations: the shared prefix costs once, its attention once per row)."""
     seed: int = 0
     """Seed of the demonstration order."""
+    train_splits: dict[str, str] = dict(TRAIN_SPLITS)
+    """Split each family's demonstrations come from (the first `samples` of it), FAMILY: SPLIT; a family not
+    named keeps TRAIN_SPLITS' (e.g. {"db": "easy-train"} for a run on the easy tiers, env_workers/envs/README.md)."""
+
+    @field_validator("train_splits", mode="after")
+    @classmethod
+    def _over_the_defaults(cls, splits: dict[str, str]) -> dict[str, str]:
+        return {**TRAIN_SPLITS, **splits}
 
     @model_validator(mode="after")
     def _every_family_has_a_count(self) -> SftSettings:
@@ -115,6 +124,13 @@ class EvalSettings(BaseModel):
     """AgentRL loop limits and temperature 0.8; 256 new tokens per turn (a demonstrated turn is under 200)."""
     engine_start_timeout_s: float = Field(600.0, gt=0.0)
     """How long the engine may take to serve (30-80 s on 2 CPU cores)."""
+    splits: dict[str, str] = dict(EVAL_SPLITS)
+    """Held-out split each family's success is measured on, FAMILY: SPLIT; a family not named keeps EVAL_SPLITS'."""
+
+    @field_validator("splits", mode="after")
+    @classmethod
+    def _over_the_defaults(cls, splits: dict[str, str]) -> dict[str, str]:
+        return {**EVAL_SPLITS, **splits}
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -23,8 +23,6 @@ from env_workers.envs import registry
 from env_workers.envs.base import EnvSettings
 from pipeline.policy.demonstrations import Demonstration, demonstrations
 from pipeline.policy.sft import (
-    EVAL_SPLITS,
-    TRAIN_SPLITS,
     EvalSettings,
     SftSettings,
     eval_task,
@@ -51,16 +49,16 @@ def loss_window(losses: list[float]) -> tuple[float, float]:
 
 def collect_demonstrations(settings: SftSettings, envs: EnvSettings,
                            encoder: ChatEncoder) -> tuple[list[Demonstration], dict[str, dict[str, Any]]]:
-    """Oracle episodes of each family's train split, tokenized as the agent loop records them, and per
+    """Oracle episodes of each family's SFT split (settings.train_splits), tokenized as the agent loop records them, and per
     family what was built. Raises registry.UnknownFamily, DemonstrationError or FileNotFoundError."""
     demos: list[Demonstration] = []
     built: dict[str, dict[str, Any]] = {}
     for name in settings.families:
-        pool = registry.samples(name, TRAIN_SPLITS[name], envs)[:settings.samples[name]]
+        pool = registry.samples(name, settings.train_splits[name], envs)[:settings.samples[name]]
         found, failed = asyncio.run(demonstrations(name, registry.environment(name, envs), pool,
                                                    registry.family(name).golden, encoder))
         demos += found
-        built[name] = {"demonstrations": len(found), "oracle_failures": failed,
+        built[name] = {"split": settings.train_splits[name], "demonstrations": len(found), "oracle_failures": failed,
                        "mean_tokens": float(np.mean([len(d.input_ids) for d in found])) if found else 0.0,
                        "mean_target_tokens": float(np.mean([d.target_tokens for d in found])) if found else 0.0}
     return demos, built
@@ -94,8 +92,9 @@ def evaluate(out: Path, names: tuple[str, ...], evaluation: EvalSettings, encode
     """Per-family success of the fine-tuned checkpoint, by real rollouts against one engine serving it.
     Raises RuntimeError when the engine does not come up."""
     loop = evaluation.agent_loop
-    tasks = [eval_task("sft-eval", name, EVAL_SPLITS[name], index)
-             for name in names for index in range(min(evaluation.episodes, len(registry.samples(name, EVAL_SPLITS[name], envs))))]
+    splits = evaluation.splits
+    tasks = [eval_task("sft-eval", name, splits[name], index)
+             for name in names for index in range(min(evaluation.episodes, len(registry.samples(name, splits[name], envs))))]
     with tempfile.TemporaryDirectory(prefix="rollstream-sft-engine-") as work:
         engine_started = time.perf_counter()
         with serving(out, Path(work), loop.max_total_len, evaluation.engine_start_timeout_s) as engine:
@@ -108,6 +107,6 @@ def evaluate(out: Path, names: tuple[str, ...], evaluation: EvalSettings, encode
             bar.close()
     trajectories = [r.trajectory for r in rollouts]
     return {"temperature": loop.temperature, "episodes_per_family": evaluation.episodes,
-            "max_new_tokens": loop.max_new_tokens, "split": {name: EVAL_SPLITS[name] for name in names},
+            "max_new_tokens": loop.max_new_tokens, "split": {name: splits[name] for name in names},
             "engine_start_s": round(engine_s, 2), "eval_s": round(eval_s, 2),
             "table": success_table(trajectories)}

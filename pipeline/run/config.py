@@ -41,8 +41,21 @@ class PolicySettings(BaseModel):
 
     path: Path = Path(".run/models/default")
     """Hugging Face checkpoint directory (ours or e.g. Qwen2.5); when it holds no checkpoint, `rollstream up`
-    makes the default policy there with `model init` and `model sft` at their defaults (the paper starts
-    from Qwen2.5-Instruct; run those two commands yourself for another architecture or warm-start)."""
+    makes the default policy there with `model init` and `model sft` at their defaults but for sft_splits (the
+    paper starts from Qwen2.5-Instruct; run those two commands yourself for another architecture or warm-start)."""
+    sft_splits: dict[str, str] = {}
+    """Families that default policy is warm-started on and the split of each, FAMILY: SPLIT (`model sft
+    --families --split`), e.g. the easy tiers' train splits for a run trained on those tiers; empty: `model
+    sft`'s defaults. Names every family once, with sft_samples."""
+    sft_samples: dict[str, PositiveInt] = {}
+    """Demonstrations per family of sft_splits (`model sft --samples`): the first ones of its split."""
+
+    @model_validator(mode="after")
+    def _samples_match_splits(self) -> PolicySettings:
+        if set(self.sft_samples) != set(self.sft_splits):
+            raise ValueError(f"sft_samples ({', '.join(self.sft_samples) or 'none'}) must name the families of "
+                             f"sft_splits ({', '.join(self.sft_splits) or 'none'})")
+        return self
 
 
 class EngineFleetSettings(BaseModel):

@@ -1,6 +1,7 @@
 """`rollstream model sft` end to end on a tiny model: oracle demonstrations of calc, a few dozen
 optimizer steps whose loss falls, a checkpoint that a real vLLM engine (launch_engine) serves,
-and real agent-loop rollouts against it that run to an end (no task_error: nothing crashed)."""
+and real agent-loop rollouts against it, on the split --eval-split names, that run to an end (no
+task_error: nothing crashed)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,12 @@ def test_sft_lowers_the_loss_and_its_checkpoint_serves_real_rollouts(infra, tmp_
     init_model(TINY, source)
     result = CliRunner().invoke(app, ["sft", "--model", str(source), "--out", str(out), "--families", "calc",
                                       "--samples", "24", "--epochs", "2", "--batch-size", "2", "--lr", "3e-3",
-                                      "--eval-episodes", "3", "--json"])
+                                      "--eval-episodes", "3", "--eval-split", "calc=rl", "--json"])
     assert result.exit_code == 0, result.output[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
 
     assert report["demonstrations"] == 24 and report["steps"] == 24
+    assert report["families"]["calc"]["split"] == "train"  # the default demonstration split
     assert report["last_loss"] < 0.7 * report["first_loss"], (report["first_loss"], report["last_loss"])
 
     names = {p.name for p in out.iterdir()}
@@ -39,6 +41,7 @@ def test_sft_lowers_the_loss_and_its_checkpoint_serves_real_rollouts(infra, tmp_
 
     evaluation = report["eval"]
     assert evaluation["temperature"] == 0.8
+    assert evaluation["split"] == {"calc": "rl"}  # --eval-split, not the default held-out split
     (row,) = evaluation["table"]
     assert row["family"] == "calc" and row["episodes"] == 3
     assert "task_error" not in row["statuses"], row
