@@ -1,5 +1,5 @@
 """What tests share: a topic reader, a streams worker process and synthetic load, event builders,
-and a vLLM engine fixture.
+a vLLM engine fixture and a tiny policy.
 
 Import them as `helpers.<module>` (`from helpers.events import trajectory`): pytest puts tests/ on
 sys.path for tests/conftest.py, so this works however pytest is started. The classes themselves

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.policy import tiny_policy
 from pipeline.run.config import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -25,9 +26,7 @@ SAMPLES, N = 2, 2
 @pytest.mark.timeout(1800)
 def test_eval_of_a_checkpoint_directory_reports_every_episode_per_task_and_repeat(infra, tmp_path: Path):
     model = tmp_path / "model"
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "model", "init", "--out", str(model), "--hidden", "128",
-                    "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "256"],
-                   cwd=REPO_ROOT, check=True, capture_output=True)
+    tiny_policy(model)
     config = tmp_path / "eval.yaml"
     config.write_text(yaml.safe_dump({
         "engines": {"current": 1, "stale": 0, "max_model_len": 4096},

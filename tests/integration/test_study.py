@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.policy import tiny_policy
 from pipeline.run.config import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -27,9 +28,7 @@ STUDY_LIMIT_S = 2400
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("policy") / "model"
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "model", "init", "--out", str(out), "--hidden", "128",
-                    "--layers", "1", "--heads", "2", "--kv-heads", "1", "--intermediate", "256"],
-                   cwd=REPO_ROOT, check=True, capture_output=True)
+    tiny_policy(out, layers=1)
     return out
 
 

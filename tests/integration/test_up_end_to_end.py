@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.policy import tiny_policy
 from pipeline.run.config import REPO_ROOT
 
 pytestmark = pytest.mark.integration
@@ -52,9 +53,7 @@ def _config(tmp: Path, model: Path, **overrides: object) -> Path:
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("policy") / "model"
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "model", "init", "--out", str(out), "--hidden", "128",
-                    "--layers", "2", "--heads", "2", "--kv-heads", "1", "--intermediate", "256"],
-                   cwd=REPO_ROOT, check=True, capture_output=True)
+    tiny_policy(out)
     return out
 
 
