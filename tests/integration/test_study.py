@@ -1,6 +1,6 @@
-"""`rollstream study` on the real stack, scaled down as far as a run goes: one variant under two
-seeds, each a whole `rollstream up` run of a tiny fresh model; study.json has, per variant and
-family, seeds, seeds_improved and mean_change, and each run got its seed and the variant's switch.
+"""`rollstream study` on the real stack, scaled down as far as a run goes: one variant under one
+seed, a whole `rollstream up` run of a tiny fresh model; study.json has, per variant and family,
+seeds, seeds_improved and mean_change, and the run got its seed and the variant's switch.
 
 The policy is a freshly initialized small model: this is about the study's plumbing, not learning.
 """
@@ -21,7 +21,8 @@ from pipeline.run.config import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
-# Two runs of `up` of about 5 minutes each on a loaded 2-core machine; the limit catches a hang.
+# One run of `up` (seed 0 of one variant: the aggregation over seeds is unit-tested) keeps CI short; the
+# limit catches a hang.
 STUDY_LIMIT_S = 2400
 
 
@@ -55,7 +56,7 @@ def _config(tmp: Path, model: Path) -> Path:
 def test_a_study_runs_each_seed_and_reports_per_variant_and_family(infra, model, tmp_path):
     study = f"study-{uuid.uuid4().hex[:8]}"
     done = subprocess.run([sys.executable, "-m", "pipeline.cli", "study", "--config", str(_config(tmp_path, model)),
-                           "--seeds", "2", "--variants", "no-task-norm", "--study", study, "--json"],
+                           "--seeds", "1", "--variants", "no-task-norm", "--study", study, "--json"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=STUDY_LIMIT_S)
     assert done.returncode == 0, done.stderr[-4000:]
     printed = json.loads(done.stdout)
@@ -64,11 +65,11 @@ def test_a_study_runs_each_seed_and_reports_per_variant_and_family(infra, model,
     assert printed["results"] == written["results"]
     assert written["failed"] == [], written["failed"]
     assert [(r["variant"], r["seed"], r["outcome"]) for r in written["runs"]] == [
-        ("no-task-norm", 0, "finished"), ("no-task-norm", 1, "finished")]
+        ("no-task-norm", 0, "finished")]
     calc = written["results"]["no-task-norm"]["calc"]
-    assert calc["seeds"] == 2 and 0 <= calc["seeds_improved"] <= 2 and isinstance(calc["mean_change"], float)
-    assert [c["seed"] for c in calc["changes"]] == [0, 1]
+    assert calc["seeds"] == 1 and 0 <= calc["seeds_improved"] <= 1 and isinstance(calc["mean_change"], float)
+    assert [c["seed"] for c in calc["changes"]] == [0]
     assert written["figure"] == "study.png" and (folder / "study.png").stat().st_size > 0
-    for seed in (0, 1):  # what each run was configured with, as `up` recorded it
-        run_config = json.loads((tmp_path / "runs" / f"{study}-no-task-norm-s{seed}" / "config.json").read_text())
-        assert run_config["seed"] == seed and run_config["streams"]["task_adv_norm"] is False
+    # what the run was configured with, as `up` recorded it
+    run_config = json.loads((tmp_path / "runs" / f"{study}-no-task-norm-s0" / "config.json").read_text())
+    assert run_config["seed"] == 0 and run_config["streams"]["task_adv_norm"] is False
