@@ -1,19 +1,18 @@
 """`rollstream bench pipeline`: the same workload trained synchronously and asynchronously in one
 invocation on the real stack, side by side, against the bound perfect overlap of its stages would reach.
 
-1. **stages alone** — the asynchronous mode's engines, fresh: first the learner held stopped
-   (SIGSTOP) while every group the measurement needs is let out at once and rolled out (the
-   rollout stage with the learner idle, at least as many rollouts at a time as the asynchronous
-   mode keeps in flight), then the dispatcher held stopped while the learner trains its warm-up
-   and measured steps on those groups (the learner stage with the engines idle);
+1. **rollout alone** — fresh engines, the learner held stopped (SIGSTOP) from its start until enough
+   batches are cut, every group the measurement needs let out at once: the stage's rate with the
+   learner idle, at least as many rollouts at a time as the asynchronous mode keeps in flight;
 2. **synchronous** — the standard RLVR loop: the dispatcher lets out one batch of groups, waits for
    the slowest trajectory, the learner trains and broadcasts, and only then is the next batch let
    out (`mix.max_in_flight_groups` = one batch; every engine in the current pool, staleness 0);
+   its training phases, with the engines idle, give the learner's rate alone;
 3. **asynchronous** — the normal pipeline: two batches in flight, a current and a stale engine
    (the same number of engines), rollouts going on while the learner trains.
 
 Each run starts its own engines, so each is measured warm: the modes after `--warmup-steps` learner
-steps, the rollouts alone after the groups that end the rollouts begun on cold engines (the method is
+steps, the rollout run after the cuts that end the rollouts begun on cold engines (the method is
 in pipeline/bench/pipeline_logic.py, which computes every figure from the runs' replayed events).
 
 The workload (configs/pipeline.yaml): calculator and DB tasks on a small random policy, turn counts
@@ -53,12 +52,12 @@ from schemas import topics
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pipeline.yaml"
 MODES = ("sync", "async")
-ALONE = "stages"
+ALONE = "rollout"
 READ = (topics.TASKS_REQUESTED, topics.STEPS, topics.GROUPS, topics.BATCHES, topics.WEIGHTS, topics.METRICS)
 POLL_S = 3.0
 HOLD_LIMIT_S = 900.0
-"""The longest the stages run holds its learner stopped; then it is let go and the rollout rate comes
-from the groups ready so far (or there is none)."""
+"""The longest the rollout run holds its learner stopped; then it is let go and the rate comes from
+the groups ready so far (or there is none)."""
 
 
 def rollout_groups(cfg: RollstreamConfig, steps: int) -> tuple[int, int]:
@@ -71,8 +70,8 @@ def rollout_groups(cfg: RollstreamConfig, steps: int) -> tuple[int, int]:
 
 
 def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int) -> RollstreamConfig:
-    """The run of one mode: the same workload and engine count, the pipeline's shape apart. The stages
-    run has the asynchronous mode's engines and lets out every group its measurement needs at once."""
+    """The run of one mode: the same workload and engine count, the pipeline's shape apart. The rollout
+    run lets out every group its measurement needs at once and trains one step after its hold."""
     data = base.as_data()
     engines = base.engines.current + base.engines.stale
     data["max_steps"] = warmup_steps + steps
@@ -82,17 +81,17 @@ def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int
         data["mix"]["max_in_flight_groups"] = base.streams.batch_size
     elif mode == ALONE:
         skip, measured = rollout_groups(base, steps)
+        data["max_steps"] = 1
         data["mix"]["max_in_flight_groups"] = 2 * skip + measured
     else:
         data["mix"]["max_in_flight_groups"] = None  # the dispatcher's default: two batches
     return RollstreamConfig(**data)
 
 
-class StageHold:
-    """Runs the stages run's two stages one after the other: its learner held stopped from its first
-    version until `groups` groups are ready (or HOLD_LIMIT_S passed), with the dispatcher stopped
-    until the learner is (no rollout beside the learner's start-up); then the dispatcher held stopped
-    while the learner trains (no rollout beside its steps), until the learner is done."""
+class LearnerHold:
+    """Holds the rollout run's learner stopped from its first version until `groups` groups of the
+    run are ready (or HOLD_LIMIT_S passed), and its dispatcher stopped until the learner is: every
+    rollout runs with the learner idle, none beside its start-up."""
 
     def __init__(self, cfg: RollstreamConfig, run: str, groups: int, say: Any) -> None:
         self.cfg, self.run, self.groups, self.say = cfg, run, groups, say
@@ -100,15 +99,11 @@ class StageHold:
         self.state, self._stopped_at, self._last_poll = "starting", 0.0, 0.0
 
     def tick(self, stack: Stack, snap: dict[str, Any]) -> None:
-        learner = next(c for c in stack.children if c.child.name == "learner")
-        dispatcher = next(c for c in stack.children if c.child.name == "dispatcher")
-        if self.state == "learner alone" and learner.process.poll() is not None:
-            os.killpg(dispatcher.process.pid, signal.SIGCONT)  # so that it stops when the run does
-            self.state = "done"
-        if self.state in ("done", "learner alone") or (self.state != "starting"
-                                                        and time.monotonic() - self._last_poll < POLL_S):
+        if self.state == "released" or (self.state != "starting" and time.monotonic() - self._last_poll < POLL_S):
             return
         self._last_poll = time.monotonic()
+        learner = next(c for c in stack.children if c.child.name == "learner")
+        dispatcher = next(c for c in stack.children if c.child.name == "dispatcher")
         if self.state == "starting":
             os.killpg(dispatcher.process.pid, signal.SIGSTOP)
             self.state = "learner starting"
@@ -116,15 +111,13 @@ class StageHold:
             os.killpg(learner.process.pid, signal.SIGSTOP)
             os.killpg(dispatcher.process.pid, signal.SIGCONT)
             self.state, self._stopped_at = "held", time.monotonic()
-            self.say(f"stages: learner held after version 0 until {self.groups} groups are ready")
+            self.say(f"rollout: learner held after version 0 until {self.groups} groups are ready")
         elif self.state == "held":
             ready = len(self._ids(topics.GROUPS, "group_id"))
             if ready >= self.groups or time.monotonic() - self._stopped_at > HOLD_LIMIT_S:
-                os.killpg(dispatcher.process.pid, signal.SIGSTOP)
                 os.killpg(learner.process.pid, signal.SIGCONT)
-                self.state = "learner alone"
-                self.say(f"stages: {ready} groups ready in {time.monotonic() - self._stopped_at:.0f} s; the learner "
-                         f"trains alone, the dispatcher held")
+                self.state = "released"
+                self.say(f"rollout: {ready} groups ready in {time.monotonic() - self._stopped_at:.0f} s; learner let go")
 
     def _ids(self, topic: str, key: str) -> set[Any]:
         from pipeline.analysis.replay import Bound, read_topic  # noqa: PLC0415
@@ -177,17 +170,15 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
     skip, measured = rollout_groups(cfg, steps)
     alone_cfg = mode_config(cfg, ALONE, steps, warmup_steps)
     say(f"{ALONE}: run {run}-{ALONE}, learner held, {alone_cfg.mix.max_in_flight_groups} groups let out at once; "
-        f"{skip} groups of warm-up, {measured} measured; then {warmup_steps} + {steps} learner steps alone")
-    hold = StageHold(cfg, f"{run}-{ALONE}", 2 * skip + measured, say)
+        f"{skip} groups of warm-up, {measured} measured")
+    hold = LearnerHold(cfg, f"{run}-{ALONE}", 2 * skip + measured, say)
     events = _events(cfg, alone_cfg, f"{run}-{ALONE}", ALONE, console, hold.tick)
     rollout = rollout_alone(groups=events[topics.GROUPS], action_tokens=action_tokens, skip=skip, measured=measured)
-    learner = learner_alone(batches=events[topics.BATCHES], weights=events[topics.WEIGHTS],
-                            metrics=events[topics.METRICS], action_tokens=action_tokens, warmup_steps=warmup_steps)
-    say(f"{ALONE}: rollout {rollout['rollout_tokens_per_s']:.1f}, learner {learner['learner_tokens_per_s']:.1f} "
-        f"trained tokens/s alone")
+    say(f"{ALONE}: {rollout['rollout_tokens_per_s']:.1f} trained tokens/s alone over {rollout['rollout_window_s']:.0f} s")
 
     figures: dict[str, dict[str, Any]] = {}
     timelines: dict[str, dict[str, Any]] = {}
+    learner: dict[str, float] = {}
     for mode in MODES:
         mode_cfg = mode_config(cfg, mode, steps, warmup_steps)
         say(f"{mode}: run {run}-{mode}, {warmup_steps} + {steps} learner steps, engines current "
@@ -198,6 +189,8 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
                       action_tokens=action_tokens, warmup_steps=warmup_steps)
         figures[mode] = mode_figures(requested=[r for r in events[topics.TASKS_REQUESTED] if not r["validation"]],
                                      steps=events[topics.STEPS], **kwargs)
+        if mode == "sync":
+            learner = learner_alone(**kwargs)
         timelines[mode] = {"start_ms": figures[mode]["start_ms"], "end_ms": figures[mode]["end_ms"],
                            "engines": engine_intervals(events[topics.STEPS]),
                            "learner": list(learner_intervals(events[topics.METRICS]).values())}
@@ -229,7 +222,7 @@ def print_result(result: dict[str, Any], console: Console) -> None:
     console.print(table)
     alone = result["stages_alone"]
     console.print(f"stages alone: rollout {alone['rollout_tokens_per_s']:.1f} (learner held), learner "
-                  f"{alone['learner_tokens_per_s']:.1f} (dispatcher held) trained tokens/s; bound "
+                  f"{alone['learner_tokens_per_s']:.1f} (synchronous steps) trained tokens/s; bound "
                   f"{alone['bound_tokens_per_s']:.1f}")
     ratio, of_bound = result["ratio"], result["of_bound"]
     console.print(f"async / sync: {ratio:.2f}x; async / bound: {of_bound:.0%} in tokens, "

@@ -18,17 +18,17 @@ The bound. Asynchrony can at best overlap the two stages perfectly; the pipeline
 slower stage's rate, so bound = min(rollout rate alone, learner rate alone), each measured alone
 and warm:
 
-- rollout alone: a run of its own on fresh engines laid out as the asynchronous mode's, with the
-  learner held idle, every group it will need let out at once (so as many rollouts run at a time as the env workers take, at least what
+- learner alone: the synchronous run's measured steps (the engines are idle while it trains):
+  their trained tokens (trajectories) / their busy seconds. Its publish (part of a step) serves
+  the synchronous layout (every engine current), not the asynchronous one, so this rate is only
+  as good a bound as the two layouts' publish costs are alike;
+- rollout alone: a run of its own on fresh engines with the learner held idle, every group it will
+  need let out at once (so as many rollouts run at a time as the env workers take, at least what
   the asynchronous mode keeps in flight). Groups become ready (all members in) in some order; the
   first `skip` are the warm-up (the rollouts begun on cold engines end there), and the rate is the
   trainable tokens (trajectories) of the next `measured` groups over the time from group `skip`
   being ready to the last of them, while the groups still queued keep every rollout slot busy.
-  Groups, not batches: the batcher cuts no further than the learner can take;
-- learner alone: the same run, once those groups are in, with the dispatcher held (no rollout
-  runs): the trained tokens (trajectories) of its steps after `warmup_steps` over their busy
-  seconds. Not the synchronous run's steps: there every engine is in the current pool, and the
-  learner's publish (part of its step) serves a pool the asynchronous mode does not have.
+  Groups, not batches: the batcher cuts no further than the learner can take.
 
 Measured over the same warm windows, a perfect overlap of these stage rates publishes a version
 every max(rollout, learner) seconds per batch, which is the bound: async / bound is at most 1 for
@@ -146,8 +146,8 @@ def mode_figures(*, requested: Sequence[Mapping[str, Any]], steps: Sequence[Mapp
 
 def learner_alone(*, batches: Sequence[Mapping[str, Any]], weights: Sequence[Mapping[str, Any]],
                   metrics: Sequence[Mapping[str, Any]], action_tokens: Any, warmup_steps: int) -> dict[str, float]:
-    """The learner's rate alone, from a run's steps after its warm-up while nothing else ran: their
-    trained tokens and trajectories over their busy seconds."""
+    """The learner's rate alone, from a synchronous run's steps after its warm-up (nothing else runs
+    while it trains): their trained tokens and trajectories over their busy seconds."""
     batch_of = {b["batch_id"]: b for b in batches}
     steps = learner_intervals(metrics)
     tokens = trajectories = busy_ms = 0
