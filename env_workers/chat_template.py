@@ -6,14 +6,71 @@ the prefix property: the encoding of a conversation starts with the encoding of 
 point of it. `extension` checks the property every time and raises TemplatePrefixError when a
 template breaks it (Qwen3-style templates that rewrite earlier turns do), instead of silently
 recording tokens that no re-encoding reproduces.
+
+Untrusted text never becomes a control token. The whole rendered conversation is encoded at once,
+so an environment answer (or a task text, or a tool-call argument the environment echoes back)
+holding the string "<|im_end|>" would otherwise be encoded as the template's own end-of-turn id, and
+the policy would read a forged turn boundary. `encode` therefore passes the content of every message
+that is not the assistant's through `plain_text` first: each added-token string found there (the
+tokenizer's added vocabulary: <|im_start|>, <tool_call>, ...) gets a zero-width space after its first
+character, which the tokenizer spells with ordinary byte tokens and which decodes to text that reads
+as the original; invalid UTF-8 becomes U+FFFD; NUL and the other control characters but tab, newline
+and carriage return become visible escapes ("\\x00"). Assistant turns are left alone: their text is
+the policy's own sampled ids decoded, which must re-encode to those very ids (a turn that spelled a
+control token out byte by byte does not, and ends as invalid output; agent_loop.py).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from schemas.template import template_fingerprint
+
+MARKER_BREAK = "\u200b"
+"""Put after the first character of a control-token string in untrusted text: ZERO WIDTH SPACE is invisible,
+is no whitespace to the pre-tokenizer's split and is left alone by NFC, so the string reads the same but no
+longer matches the added token."""
+_SURROGATES = re.compile("[\ud800-\udfff]")  # lone halves: what invalid UTF-8 decoded with surrogateescape leaves
+_CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 controls and DEL, less \t \n \r
+
+
+def marker_pattern(markers: Sequence[str]) -> re.Pattern[str] | None:
+    """A regex matching any of `markers` (longest first), None when there is none to break.
+    A one-character marker cannot be broken by an insertion and is left out."""
+    breakable = sorted((m for m in markers if len(m) > 1), key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, breakable))) if breakable else None
+
+
+def plain_text(text: str | bytes, markers: re.Pattern[str] | None) -> str:
+    """`text` made safe to render into a chat template: bytes decoded as UTF-8 (invalid sequences
+    and lone surrogates become U+FFFD), control characters but tab, newline and carriage return
+    written as visible escapes, and every match of `markers` broken by MARKER_BREAK after its first
+    character. Idempotent: plain text comes back unchanged."""
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", errors="replace")
+    text = _SURROGATES.sub("\ufffd", text)
+    text = _CONTROLS.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+    if markers is not None:
+        # Again until none is left: breaking one match could only leave a marker inside its own tail.
+        while markers.search(text):
+            text = markers.sub(lambda m: m.group()[0] + MARKER_BREAK + m.group()[1:], text)
+    return text
+
+
+def bounded(message: Mapping[str, Any], max_chars: int) -> Mapping[str, Any]:
+    """An environment `message` whose content holds at most `max_chars` characters (bytes decoded as
+    UTF-8 first): a longer one keeps its head and a note saying how much was cut."""
+    content = message.get("content")
+    if isinstance(content, bytes):
+        content = content.decode("utf-8", errors="replace")
+    if not isinstance(content, str):
+        return message
+    if len(content) > max_chars:
+        cut = len(content) - max_chars
+        content = f"{content[:max_chars]}\n[... {cut} characters cut: the output was {len(content)} characters long]"
+    return {**message, "content": content}
 
 
 class TemplatePrefixError(ValueError):
@@ -43,6 +100,7 @@ class ChatEncoder:
         self.tokenizer = tokenizer
         self.eos_token_id: int = tokenizer.eos_token_id
         self.fingerprint = template_fingerprint(tokenizer)
+        self.markers = marker_pattern(list(tokenizer.get_added_vocab()))
         # What the template writes after an assistant turn's content ("<|im_end|>\n" for Qwen):
         # the loop keeps room for it so closing a turn never overruns max_total_len.
         probe = [{"role": "user", "content": "x"}]
@@ -56,12 +114,19 @@ class ChatEncoder:
         tools: Sequence[Mapping[str, Any]] | None,
         add_generation_prompt: bool,
     ) -> list[int]:
-        """Token ids of the rendered conversation."""
+        """Token ids of the rendered conversation, every content but the assistant's made `plain_text`."""
         text = self.tokenizer.apply_chat_template(
-            list(messages), tools=list(tools) if tools else None, tokenize=False,
+            [self.untrusted(m) for m in messages], tools=list(tools) if tools else None, tokenize=False,
             add_generation_prompt=add_generation_prompt,
         )
         return self.encode_text(text)
+
+    def untrusted(self, message: Mapping[str, Any]) -> Mapping[str, Any]:
+        """`message` with its content made `plain_text`, unless it is the assistant's (the policy's own ids)."""
+        content = message.get("content")
+        if message.get("role") == "assistant" or not isinstance(content, (str, bytes)):
+            return message
+        return {**message, "content": plain_text(content, self.markers)}
 
     def encode_text(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))

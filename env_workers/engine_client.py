@@ -9,6 +9,10 @@ What vLLM 0.32 needs for that (vllm/entrypoints/openai/completion/protocol.py an
 The engine must run with `--logprobs-mode processed_logprobs`: vLLM's default (`raw_logprobs`)
 reports log-probs *before* temperature, which are not the behaviour policy the loss needs.
 
+An engine started with an API key (vLLM's `--api-key`, given to `rollstream engine`'s server as
+VLLM_API_KEY) refuses /v1 requests without `Authorization: Bearer KEY` (401); `auth_headers` makes
+that header, which this client and every other caller of an engine send.
+
 Which weights produced a response: the engine's `x-rollstream-weight-version` response header
 when it sets one (exact, taken when the request finished), else the version this client was last
 told (`weight_version`, kept current by its owner from the engine's heartbeats).
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 WEIGHT_VERSION_HEADER = "x-rollstream-weight-version"
 _TOKEN_ID_PREFIX = "token_id:"
@@ -33,6 +38,12 @@ class EngineError(Exception):
         super().__init__(message)
         self.engine_id = engine_id
         self.retryable = retryable
+
+
+def auth_headers(api_key: SecretStr | None) -> dict[str, str]:
+    """The headers a request to an engine needs: the bearer token when engines require a key, else none."""
+    key = api_key.get_secret_value() if api_key is not None else ""
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 @dataclass(frozen=True)
@@ -111,6 +122,7 @@ class EngineClient:
         timeout_s: float = 600.0,
         allowed_token_ids: Sequence[int] | None = None,
         http: httpx.AsyncClient | None = None,
+        api_key: SecretStr | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.base_url = base_url.rstrip("/")
@@ -122,6 +134,7 @@ class EngineClient:
         # restricted distribution, which a learner must reproduce with the same mask.
         self.allowed_token_ids = list(allowed_token_ids) if allowed_token_ids is not None else None
         self._http = http or httpx.AsyncClient()
+        self._headers = auth_headers(api_key)  # per request: the AsyncClient may be shared with other engines
 
     async def generate(self, prompt_ids: Sequence[int], max_tokens: int, temperature: float,
                        *, seed: int | None = None) -> Generation:
@@ -134,7 +147,8 @@ class EngineClient:
         if seed is not None:
             request["seed"] = seed
         try:
-            response = await self._http.post(f"{self.base_url}/v1/completions", json=request, timeout=self.timeout_s)
+            response = await self._http.post(f"{self.base_url}/v1/completions", json=request, headers=self._headers,
+                                           timeout=self.timeout_s)
         except httpx.TimeoutException as error:
             raise EngineError(f"{self.engine_id}: timed out after {self.timeout_s} s", engine_id=self.engine_id) from error
         except httpx.HTTPError as error:
@@ -160,6 +174,7 @@ class EngineClient:
         await self._http.aclose()
 
 
-def served_model(url: str) -> str:
+def served_model(url: str, api_key: SecretStr | None = None) -> str:
     """The model id an OpenAI-compatible server serves (its first /v1/models entry)."""
-    return httpx.get(f"{url.rstrip('/')}/v1/models", timeout=10).json()["data"][0]["id"]
+    response = httpx.get(f"{url.rstrip('/')}/v1/models", headers=auth_headers(api_key), timeout=10)
+    return response.json()["data"][0]["id"]

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from pydantic import SecretStr
 
 from env_workers.engine_client import EngineClient, EngineError, Generation
 
@@ -92,8 +93,9 @@ class EnginePool:
 
     def __init__(self, *, stop_token_ids: Sequence[int], clock_ms: Callable[[], int], heartbeat_timeout_s: float,
                  failure_backoff_s: float, timeout_s: float, http: httpx.AsyncClient | None = None,
-                 run: str | None = None) -> None:
+                 run: str | None = None, api_key: SecretStr | None = None) -> None:
         self.stop_token_ids = list(stop_token_ids)
+        self.api_key = api_key
         self.run = run
         self.clock_ms = clock_ms
         self.heartbeat_timeout_ms = int(heartbeat_timeout_s * 1000)
@@ -126,7 +128,8 @@ class EnginePool:
         client = self.clients.get(state.engine_id)
         if client is None or client.base_url != state.url.rstrip("/") or client.model != state.model:
             client = EngineClient(engine_id=state.engine_id, base_url=state.url, model=state.model,
-                                         stop_token_ids=self.stop_token_ids, timeout_s=self.timeout_s, http=self._http)
+                                         stop_token_ids=self.stop_token_ids, timeout_s=self.timeout_s, http=self._http,
+                                         api_key=self.api_key)
             self.clients[state.engine_id] = client
         # A request's version comes from the engine's response header when it sends one; else from here.
         client.weight_version = state.loaded_version

@@ -8,6 +8,7 @@ original bytes, and only then is its offset allowed to be committed: nothing is 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -18,7 +19,10 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from schemas import topics
 from schemas.codec import InvalidEvent, UndecodableEvent, codec
+from schemas.eventref import backoff_s, transient_error
 from schemas.settings import KafkaSettings
+
+log = logging.getLogger("rollstream.bus")
 
 
 class DeliveryError(RuntimeError):
@@ -232,16 +236,27 @@ class EventConsumer:
         self._consumer.assign([TopicPartition(t, p, o) for t, parts in offsets.items() for p, o in parts.items()])
 
     def poll(self, timeout: float = 1.0) -> ConsumedEvent | None:
-        """The next decodable event, or None when none arrived within `timeout`."""
+        """The next decodable event, or None when none arrived within `timeout`. Transient errors
+        (a broker restarting: schemas/eventref.py's rule) are ridden through, since the client
+        reconnects by itself; any other error raises KafkaException."""
         deadline = time.monotonic() + timeout
+        transient = 0
         while True:
             msg = self._consumer.poll(max(0.0, deadline - time.monotonic()))
             if msg is None:
                 return None
             if msg.error() is not None:
-                if msg.error().code() == KafkaError._PARTITION_EOF:
+                error = msg.error()
+                if error.code() == KafkaError._PARTITION_EOF:
                     continue
-                raise KafkaException(msg.error())
+                if not transient_error(error):
+                    raise KafkaException(error)
+                # Backed off as eventref's retries are, within this poll's timeout: librdkafka reports
+                # such an error once per broker state change, but a burst must not spin.
+                log.warning("%s: Kafka error ridden through: %s", self.group_id, error)
+                time.sleep(min(backoff_s(transient), max(0.0, deadline - time.monotonic())))
+                transient += 1
+                continue
             event = self._decode(msg)
             if event is not None:
                 return event

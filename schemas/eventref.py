@@ -114,10 +114,15 @@ def kafka_error(exc: BaseException) -> KafkaError | None:
     return error if isinstance(error, KafkaError) else None
 
 
+def transient_error(error: KafkaError) -> bool:
+    """Whether a KafkaError is one `should_retry` accepts (also what a consumer's poll rides through, schemas/bus.py)."""
+    return should_retry(error.code(), retriable=error.retriable(), fatal=error.fatal())
+
+
 def is_transient(exc: BaseException) -> bool:
     """Whether an exception is a Kafka error `should_retry` accepts."""
     error = kafka_error(exc)
-    return error is not None and should_retry(error.code(), retriable=error.retriable(), fatal=error.fatal())
+    return error is not None and transient_error(error)
 
 
 T = TypeVar("T")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -28,8 +29,10 @@ def log_tail(log_path: Path | None, chars: int = LOG_TAIL_CHARS) -> str:
 
 
 def wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float, *, probe: str = "/health",
-                       name: str = "vLLM", log_path: Path | None = None) -> float:
-    """Blocks until GET `url + probe` answers 200; returns the seconds it took.
+                       name: str = "vLLM", log_path: Path | None = None,
+                       headers: Mapping[str, str] | None = None) -> float:
+    """Blocks until GET `url + probe` (with `headers`: the engine's key, env_workers/engine_client.auth_headers)
+    answers 200; returns the seconds it took.
 
     Raises NotServing as soon as `process` exits (nothing would ever answer) or after `timeout_s`,
     with the end of `log_path` when given, since that is where the reason is."""
@@ -40,7 +43,7 @@ def wait_until_serving(url: str, process: subprocess.Popen, timeout_s: float, *,
         if time.monotonic() - started > timeout_s:
             raise NotServing(_with_log(f"{name} not serving after {timeout_s:.0f} s", log_path))
         try:
-            if httpx.get(f"{url}{probe}", timeout=PROBE_TIMEOUT_S).status_code == 200:
+            if httpx.get(f"{url}{probe}", headers=dict(headers or {}), timeout=PROBE_TIMEOUT_S).status_code == 200:
                 return time.monotonic() - started
         except httpx.HTTPError:
             pass  # not listening yet, or busy loading the model

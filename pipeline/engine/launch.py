@@ -114,6 +114,37 @@ def popen_niced(command: list[str], nice: int, **popen: Any) -> subprocess.Popen
     return process
 
 
+# Run by `popen_tied` in the child, before the real command replaces it (same pid): arms the parent-death
+# signal, then checks the parent is still the one that started it (it may have died before the signal was
+# armed, and would never send it), then execs. Not Linux: nothing to arm, the child is not tied.
+_TIED_CHILD = """
+import ctypes, os, sys
+parent, signum, command = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+if prctl is not None:
+    if prctl(1, signum, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        sys.exit(128 + signum)
+os.execvp(command[0], command)
+"""
+
+
+def popen_tied(command: list[str], *, death_signal: int = signal.SIGTERM, **popen: Any) -> subprocess.Popen:
+    """subprocess.Popen of `command` that receives `death_signal` when this process dies, however it
+    dies (SIGKILL included, where no cleanup of ours runs): Linux's PR_SET_PDEATHSIG.
+
+    The signal is armed by a short Python prelude that then execs `command` (the pid stays the
+    same), not by a preexec_fn: preexec_fn runs Python between fork and exec, which can deadlock
+    when the parent has threads (our imports start some), and Python documents it as unsafe then.
+    The kernel sends the signal when the *thread* that started the child exits, so call this from
+    the thread that lives as long as the process (the supervisor's main thread). SIGTERM by
+    default: vLLM's server then shuts down its own engine-core processes, which a SIGKILL would
+    leave behind; a server that hangs on SIGTERM is not killed."""
+    prelude = [sys.executable, "-c", _TIED_CHILD, str(os.getpid()), str(int(death_signal))]
+    return subprocess.Popen([*prelude, *command], **popen)
+
+
 def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port: int | None = None,
                   engine_id: str | None = None, extra_args: tuple[str, ...] = (),
                   cwd: Path | None = None, bind_host: str = "127.0.0.1",

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -22,18 +22,21 @@ from typing import Literal
 import httpx
 from minio import Minio
 from minio.error import S3Error
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from env_workers.engine_client import auth_headers
 from learner.manifest import ShardIntegrityError
 from pipeline.engine.health import wait_until_serving
 from pipeline.engine.heartbeat import Heartbeat
-from pipeline.engine.launch import set_session_niceness
+from pipeline.engine.launch import popen_tied, set_session_niceness
 from pipeline.engine.server import INITIAL_VERSION_ENV, vllm_command
 from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
 from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
 
+# Where vLLM's OpenAI server reads the key it requires on /v1 routes (vllm/envs.py; the same as --api-key).
+API_KEY_ENV = "VLLM_API_KEY"
 # How long a stopping engine waits for its last heartbeat to be acknowledged (the broker may be gone).
 STOP_FLUSH_S = 10.0
 
@@ -140,7 +143,7 @@ class EngineFailed(RuntimeError):
 def run_engine(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob) -> None:
     """Serves until SIGTERM/SIGINT; raises EngineFailed when the server does not come up or exits on
     its own (the server is stopped either way)."""
-    server = start_server(settings, job)
+    server = start_server(settings, job, cfg.agent_loop.engine_api_key)
     stopping = {"flag": False}
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -153,16 +156,30 @@ def run_engine(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob) 
         raise EngineFailed(f"vLLM exited with code {server.returncode}")
 
 
-def start_server(settings: EngineSettings, job: EngineJob) -> subprocess.Popen:
-    """vLLM's server for the job, in a session of its own, at this process's niceness."""
-    on_gpu = _cuda_available()
-    env = {**os.environ, INITIAL_VERSION_ENV: str(job.initial_version)}
+def server_environment(inherited: Mapping[str, str], settings: EngineSettings, job: EngineJob,
+                       api_key: SecretStr | None) -> dict[str, str]:
+    """The environment of the job's vLLM server: ours, with its initial version, CPU KV cache and key."""
+    env = {**inherited, INITIAL_VERSION_ENV: str(job.initial_version)}
+    # The key goes by environment, not --api-key: a command line is readable by every user of the host
+    # (/proc/PID/cmdline). The setting alone decides: an inherited VLLM_API_KEY is not used.
+    env.pop(API_KEY_ENV, None)
+    if api_key is not None and api_key.get_secret_value():
+        env[API_KEY_ENV] = api_key.get_secret_value()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
+    return env
+
+
+def start_server(settings: EngineSettings, job: EngineJob, api_key: SecretStr | None = None) -> subprocess.Popen:
+    """vLLM's server for the job, in a session of its own, at this process's niceness; requiring `api_key`
+    on its OpenAI routes when one is given."""
+    on_gpu = _cuda_available()
+    env = server_environment(os.environ, settings, job, api_key)
     command = vllm_command(str(job.model), host=job.host, port=job.port, max_model_len=settings.max_model_len,
                            dtype="auto" if on_gpu else "float32", enforce_eager=not on_gpu,
                            chunked_prefill=on_gpu)
-    # vLLM's own log goes to our stderr; the server gets its own session so SIGTERM reaches its children.
-    server = subprocess.Popen(command, stdout=sys.stderr, stderr=sys.stderr, env=env, start_new_session=True)
+    # vLLM's own log goes to our stderr; the server gets its own session so SIGTERM reaches its children,
+    # and is tied to us: SIGTERM when we die without our cleanup (SIGKILL), instead of serving on as an orphan.
+    server = popen_tied(command, stdout=sys.stderr, stderr=sys.stderr, env=env, start_new_session=True)
     # The server inherits this process's niceness (engines.nice) but leads a session of its own, where
     # the kernel schedules by session first: the session gets the same niceness, or the niceness counts for nothing.
     if niceness := os.getpriority(os.PRIO_PROCESS, 0):
@@ -178,7 +195,8 @@ def _supervise(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob, 
     heartbeat: Heartbeat | None = None
     url = job.local_url
     try:
-        start_s = wait_until_serving(url, server, settings.start_timeout_s)
+        start_s = wait_until_serving(url, server, settings.start_timeout_s,
+                                     headers=auth_headers(cfg.agent_loop.engine_api_key))
         _log(f"{job.engine_id} ({settings.pool}) serving {job.model} at {url}, healthy after {start_s:.1f} s")
         mc = objectstore.client(cfg.object_store)
         producer = EventProducer(cfg.kafka, client_id=f"engine-{job.engine_id}")

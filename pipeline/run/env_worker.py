@@ -25,10 +25,10 @@ async def serve(settings: EnvWorkerSettings, kafka: KafkaSettings, model: Path, 
     engines = EnginePool(run=run, stop_token_ids=[encoder.eos_token_id], clock_ms=lambda: int(time.time() * 1000),
                          heartbeat_timeout_s=settings.heartbeat_timeout_s,
                          failure_backoff_s=settings.engine_failure_backoff_s,
-                         timeout_s=settings.agent_loop.engine_timeout_s)
+                         timeout_s=settings.agent_loop.engine_timeout_s, api_key=settings.agent_loop.engine_api_key)
     if settings.engine_urls:
         first = next(iter(settings.engine_urls.values()))[0]
-        engines.add_static(settings.engine_urls, settings.model or served_model(first))
+        engines.add_static(settings.engine_urls, settings.model or served_model(first, settings.agent_loop.engine_api_key))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

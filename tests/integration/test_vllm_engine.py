@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -22,11 +23,12 @@ import httpx
 import pytest
 import torch
 from helpers.vllm import serving_engine
+from pydantic import SecretStr
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from env_workers.agent_loop import Rollout, run_agent_loop
 from env_workers.chat_template import ChatEncoder
-from env_workers.engine_client import EngineClient, completion_request
+from env_workers.engine_client import EngineClient, auth_headers, completion_request
 from env_workers.settings import AgentLoopSettings
 from pipeline.policy.model_init import PolicyModelSettings, init_model
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
@@ -41,6 +43,8 @@ TEMPERATURE = 0.8
 LOGPROB_TOLERANCE = 1e-4
 TOOLS = [{"type": "function", "function": {"name": "echo", "description": "Echo text.", "parameters": {
     "type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}}]
+# The engine requires a key (agent_loop.engine_api_key, from the environment as a run sets it); every request sends it.
+ENGINE_KEY = SecretStr("test-engine-key")
 
 
 @dataclass
@@ -57,8 +61,9 @@ def engine(tmp_path_factory) -> Iterator[Engine]:
     (printable ASCII), which with learned merges could be sampled in a split no re-encoding gives back."""
     model_dir = tmp_path_factory.mktemp("policy")
     init_model(PolicyModelSettings(vocab_size=256), model_dir)
-    with serving_engine(model_dir, tmp_path_factory.mktemp("engines"),
-                        args=("--max-model-len", "2048")) as (served, start_s):
+    with serving_engine(model_dir, tmp_path_factory.mktemp("engines"), args=("--max-model-len", "2048"),
+                        env={**os.environ, "ROLLSTREAM_AGENT_LOOP__ENGINE_API_KEY": ENGINE_KEY.get_secret_value()},
+                        ) as (served, start_s):
         yield Engine(served.url, model_dir, start_s)
 
 
@@ -69,7 +74,7 @@ def encoder(engine) -> ChatEncoder:
 
 def _client(engine: Engine, encoder: ChatEncoder, **kwargs: Any) -> EngineClient:
     return EngineClient(engine_id="engine-0", base_url=engine.url, model=str(engine.model_dir),
-                        stop_token_ids=[encoder.eos_token_id], weight_version=0, **kwargs)
+                        stop_token_ids=[encoder.eos_token_id], weight_version=0, api_key=ENGINE_KEY, **kwargs)
 
 
 @dataclass
@@ -131,7 +136,8 @@ def _rollouts(engine: Engine, encoder: ChatEncoder, count: int, **client_kwargs:
 
 
 def _check_token_record(encoder: ChatEncoder, rollout: Rollout) -> None:
-    """Re-encoding the final history gives input_ids; loss_mask is 1 on exactly the generated tokens."""
+    """Re-encoding the final history gives input_ids (the same text, where a turn's sampled ids were kept
+    although not canonical); loss_mask is 1 on exactly the generated tokens."""
     t = rollout.trajectory
     ids = unpack_ids(t["input_ids"]).tolist()
     mask = unpack_mask(t["loss_mask"]).tolist()
@@ -142,7 +148,11 @@ def _check_token_record(encoder: ChatEncoder, rollout: Rollout) -> None:
         assert encoder.encode(rollout.messages[:-1], rollout.tools, True) == ids[:last]
         return
     ends_on_assistant = rollout.messages[-1]["role"] == "assistant"
-    assert encoder.encode(rollout.messages, rollout.tools, not ends_on_assistant) == ids
+    expected = encoder.encode(rollout.messages, rollout.tools, not ends_on_assistant)
+    if t["metrics"]["noncanonical_turns"]:  # kept as sampled (noncanonical_turns: keep): the same text
+        assert encoder.decode(ids) == encoder.decode(expected)
+    else:
+        assert expected == ids
 
 
 def test_completion_with_token_ids_in_returns_token_ids_and_logprobs(engine, encoder):
@@ -162,10 +172,17 @@ def test_completion_with_token_ids_in_returns_token_ids_and_logprobs(engine, enc
     assert (generation.engine_id, generation.weight_version) == ("engine-0", 0)
 
 
+def test_engine_refuses_requests_without_its_key_and_serves_them_with_it(engine):
+    assert httpx.get(f"{engine.url}/v1/models", timeout=30).status_code == 401
+    assert httpx.get(f"{engine.url}/v1/models", headers=auth_headers(SecretStr("wrong")), timeout=30).status_code == 401
+    assert httpx.get(f"{engine.url}/v1/models", headers=auth_headers(ENGINE_KEY), timeout=30).status_code == 200
+
+
 def test_stop_token_is_returned_with_its_logprob(engine, encoder):
     eos = encoder.eos_token_id
     body = completion_request(str(engine.model_dir), [257, 104, 105], 8, TEMPERATURE, [eos], allowed_token_ids=[eos])
-    choice = httpx.post(f"{engine.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    choice = httpx.post(f"{engine.url}/v1/completions", json=body, headers=auth_headers(ENGINE_KEY),
+                        timeout=60).json()["choices"][0]
     assert (choice["token_ids"], choice["finish_reason"]) == ([eos], "stop")
     assert choice["logprobs"]["token_logprobs"] == [0.0]  # the only allowed token: probability 1
 
