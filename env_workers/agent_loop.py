@@ -18,17 +18,26 @@ re-encodes the history and checks two things:
    with the template's text before it, and the turn is invalid output as in 2.);
 2. it continues with exactly the sampled ids. It does not when the sampled ids are not the
    tokenizer's own encoding of their text: invalid UTF-8 (decoded lossily), a control tag spelled
-   out byte by byte, a non-NFC string, or another segmentation of a BPE word. Such a turn is not a
-   valid message: the trajectory ends there with status agent_validation_failed (termination
-   `invalid_output`), the sampled ids stay in the record with loss_mask 1 so the trajectory's
-   reward trains against them, and the invariant then holds up to the start of that turn only.
-   A turn whose text still parses into calls of the session's tools is counted in the
-   trajectory's `metrics["noncanonical_valid_calls"]`: actions this rule ends although their text
-   is a well-formed call.
+   out byte by byte, a non-NFC string, or another segmentation of a BPE word (at temperature 0.8 a
+   small BPE vocabulary samples one in most turns of a few dozen tokens). What then happens is
+   `settings.noncanonical_turns`:
+   - "keep" (default; AgentRL's token-in, token-out, seed 000 §3.2): the sampled ids stay in the
+     record as sampled, followed by the template's closing of the turn (`closing`), and the
+     trajectory goes on. The loop keeps `text_ids`, encode(history) at the turn boundary, beside
+     the record; every later environment message is the difference of two encodings taken
+     against `text_ids` and appended to both. The record is then encode(history) with each
+     non-canonical turn's content replaced by the ids that were sampled for it.
+   - "end": such a turn is not a valid message: the trajectory ends there with status
+     agent_validation_failed (termination `invalid_output`), the sampled ids stay in the record
+     with loss_mask 1 so the trajectory's reward trains against them.
+   Either way the trajectory's `metrics["noncanonical_turns"]` counts such turns, and
+   `metrics["noncanonical_valid_calls"]` those whose text parses into calls of the session's tools
+   (under "end": actions the rule ended although their text is a well-formed call).
 Otherwise the rest of the encoding (what the template writes after the content: eos if the
 engine stopped on length, then the newline) is appended with loss_mask 0. At every turn boundary
-the record equals encode(history), so each environment message's difference is taken against
-it and, by induction, the final history re-encodes to input_ids.
+`text_ids` equals encode(history), so each environment message's difference is taken against
+it and, by induction, the final history re-encodes to `text_ids` (to input_ids when every turn
+was canonical).
 
 Statuses (env_workers.envs.base.Status): the environment's when it finishes the session
 (completed, task_limit_reached, ...); task_limit_reached after max_turns; agent_context_limit when
@@ -47,7 +56,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
-from env_workers.chat_template import ChatEncoder, TemplatePrefixError
+from env_workers.chat_template import ChatEncoder, TemplatePrefixError, bounded
 from env_workers.engine_client import EngineError, Generation
 from env_workers.envs.base import Status
 from env_workers.latency import step_delay_s
@@ -205,10 +214,15 @@ class _Loop:
     ) -> None:
         self.task, self.request = task, task["request"]
         self.plan: list[str] = list(task.get("turn_pools") or [])
+        # the router's turn budget (streams.turn_schedule), never above this loop's own limit
+        self.max_turns = min(settings.max_turns, task.get("max_turns") or settings.max_turns)
         self.encoder, self.pick_engine, self.settings = encoder, pick_engine, settings
         self.clock, self.sleep, self.on_step = clock, sleep, on_step
         self.id = trajectory_id(self.request["run"], self.request["group_id"], self.request["member"])
         self.record = _Record()
+        self.text_ids: list[int] = []
+        """encode(history) at the last turn boundary: the record, but for sampled spans kept as sampled
+        (`noncanonical_turns: keep`). Environment messages are differences of encodings taken against it."""
         self.history: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] = []
         self.prompt_tokens = 0
@@ -216,7 +230,7 @@ class _Loop:
         self.steps: list[dict[str, Any]] = []
         self.env_metrics: dict[str, float] = {}
         self.loop_metrics = {"parse_errors": 0.0, "engine_retries": 0.0, "pool_fallbacks": 0.0,
-                             "noncanonical_valid_calls": 0.0}
+                             "noncanonical_turns": 0.0, "noncanonical_valid_calls": 0.0}
 
     # --- one turn's engine call -----------------------------------------------------------------
 
@@ -244,27 +258,41 @@ class _Loop:
 
     # --- closing an assistant turn --------------------------------------------------------------
 
-    def close_turn(self, before: int, generated: Sequence[int]) -> bool:
-        """Appends the template's closing of the turn just generated; False when the sampled ids are not canonical."""
+    def close_turn(self, generated: Sequence[int]) -> bool:
+        """Appends the template's closing of the turn just generated; whether the sampled ids are the
+        tokenizer's canonical encoding of their text (the record then equals encode(history) again)."""
+        before = len(self.text_ids)
         rendered = self.encoder.encode(self.history, self.tools, add_generation_prompt=False)
-        if rendered[:before] != self.record.ids[:before]:
-            if self.prefix_kept_with_other_content(before):
-                return False  # the sampled text merged with the template's text before it (e.g. leading newlines)
-            raise TemplatePrefixError(
-                f"trajectory {self.id}: re-encoding the history with the new assistant turn changed the "
-                f"tokens before it; the chat template breaks the prefix property"
-            )
-        if rendered[before:before + len(generated)] != list(generated):
+        if rendered[:before] != self.text_ids:
+            if not self.prefix_kept_with_other_content(before):
+                raise TemplatePrefixError(
+                    f"trajectory {self.id}: re-encoding the history with the new assistant turn changed the "
+                    f"tokens before it; the chat template breaks the prefix property"
+                )
+            canonical = False  # the sampled text merged with the template's text before it (e.g. leading newlines)
+        else:
+            canonical = rendered[before:before + len(generated)] == list(generated)
+        if canonical:
+            self.record.add_context(rendered[before + len(generated):])
+        elif self.settings.noncanonical_turns == "keep":
+            self.record.add_context(self.closing(generated))
+        else:
             return False
-        self.record.add_context(rendered[before + len(generated):])
-        return True
+        self.text_ids = rendered
+        return canonical
+
+    def closing(self, generated: Sequence[int]) -> list[int]:
+        """What the template writes after an assistant turn's content, less the eos the engine already sampled.
+        The close begins with a control token (Qwen's <|im_end|>), so no BPE merge joins it to the content."""
+        close = list(self.encoder.assistant_close)
+        return close[1:] if generated and generated[-1] == self.encoder.eos_token_id and close[:1] == [generated[-1]] else close
 
     def prefix_kept_with_other_content(self, before: int) -> bool:
         """Whether the record's first `before` tokens survive when the last assistant turn says
         something plain: then the template keeps the prefix property and it was the sampled text
         that broke it (with BPE merges, text can merge with what the template wrote before it)."""
         plain = [*self.history[:-1], {"role": "assistant", "content": "ok"}]
-        return self.encoder.encode(plain, self.tools, add_generation_prompt=False)[:before] == self.record.ids[:before]
+        return self.encoder.encode(plain, self.tools, add_generation_prompt=False)[:before] == self.text_ids
 
     # --- events ---------------------------------------------------------------------------------
 
@@ -275,8 +303,8 @@ class _Loop:
         if self.on_step is not None:
             self.on_step(step)
 
-    def count_valid_calls_lost(self, parsed: ParsedMessage) -> None:
-        """Counts an invalid-output turn whose text parses into calls of the session's tools."""
+    def count_valid_calls(self, parsed: ParsedMessage) -> None:
+        """Counts a non-canonical turn whose text parses into calls of the session's tools."""
         known = {tool["function"]["name"] for tool in self.tools}
         calls = parsed.tool_calls
         if parsed.error is None and calls and all(c["function"]["name"] in known for c in calls):
@@ -306,7 +334,7 @@ class _Loop:
     async def turns_until_end(self, env: Environment, session: Any) -> _Ending:
         settings = self.settings
         reserve = len(self.encoder.assistant_close)
-        for turn in range(settings.max_turns):
+        for turn in range(self.max_turns):
             room = settings.max_total_len - len(self.record.ids) - reserve
             if room <= 0:
                 return _Ending(Status.AGENT_CONTEXT_LIMIT, MAX_TOTAL_LEN)
@@ -317,10 +345,12 @@ class _Loop:
                 await self.sleep(step_delay_s(settings.step_latency, self.id, turn))
 
             parsed = parse_tool_calls(self.history[-1]["content"], call_id_prefix=f"call_{turn}")
-            if not self.close_turn(sampled.start, sampled.generation.token_ids):
-                self.count_valid_calls_lost(parsed)  # the step records no parse: the turn is not a message
-                self.add_turn(TurnRecord(sampled, Status.AGENT_VALIDATION_FAILED, finish=True))
-                return _Ending(Status.AGENT_VALIDATION_FAILED, INVALID_OUTPUT)
+            if not self.close_turn(sampled.generation.token_ids):
+                self.loop_metrics["noncanonical_turns"] += 1
+                self.count_valid_calls(parsed)
+                if settings.noncanonical_turns == "end":  # the step records no parse: the turn is not a message
+                    self.add_turn(TurnRecord(sampled, Status.AGENT_VALIDATION_FAILED, finish=True))
+                    return _Ending(Status.AGENT_VALIDATION_FAILED, INVALID_OUTPUT)
 
             env_started = self.clock()
             if parsed.error is not None:
@@ -337,7 +367,8 @@ class _Loop:
                                              env_ms=(self.clock() - env_started) * 1000.0))
                     return _Ending(Status.TASK_ERROR, ENV_ERROR, error=repr(error))
                 self.env_metrics = {k: float(v) for k, v in observation.metrics.items()}
-                new_messages = list(observation.messages)
+                # Bounded before anything encodes them (control tokens, invalid text: ChatEncoder.encode).
+                new_messages = [dict(bounded(m, settings.max_env_output_chars)) for m in observation.messages]
                 reward, finish = float(observation.reward), bool(observation.finish)
             outcome = partial(TurnRecord, sampled, status, env_ms=(self.clock() - env_started) * 1000.0,
                               parsed=parsed, reward=reward)
@@ -345,15 +376,16 @@ class _Loop:
             if finish:
                 self.add_turn(outcome(finish=True))
                 return _Ending(status, ENV_ERROR if status == Status.TASK_ERROR else ENV_FINISHED, env_reward=reward)
-            if turn == settings.max_turns - 1:
+            if turn == self.max_turns - 1:
                 # No turn follows: the policy would never read the answer, so it is not recorded.
                 self.add_turn(outcome(finish=False))
                 return _Ending(Status.TASK_LIMIT_REACHED, MAX_TURNS)
-            delta = self.encoder.extension(self.record.ids, [*self.history, *new_messages], self.tools, True)
+            delta = self.encoder.extension(self.text_ids, [*self.history, *new_messages], self.tools, True)
             if len(self.record.ids) + len(delta) > settings.max_total_len:
                 self.add_turn(outcome(finish=False))
                 return _Ending(Status.AGENT_CONTEXT_LIMIT, MAX_TOTAL_LEN)
             self.record.add_context(delta)
+            self.text_ids += delta
             self.history.extend(new_messages)
             self.add_turn(outcome(finish=False, env_tokens=len(delta)))
         return _Ending(Status.TASK_LIMIT_REACHED, MAX_TURNS)
@@ -411,6 +443,7 @@ async def run_agent_loop(
             loop.history, loop.tools = list(session.messages), list(session.tools)
             prompt = encoder.encode(loop.history, loop.tools, add_generation_prompt=True)
             loop.record.add_context(prompt)
+            loop.text_ids = list(prompt)
             loop.prompt_tokens = len(prompt)
             ending = await loop.turns_until_end(env, session)
     finally:

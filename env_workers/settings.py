@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from env_workers.envs.base import Status
 from env_workers.latency import StepLatency
@@ -41,12 +43,28 @@ class AgentLoopSettings(BaseModel):
     that rule less task_error; in YAML: `punished_statuses: [agent_context_limit, agent_invalid_action,
     agent_validation_failed, cancelled, running, task_limit_reached, unknown]`. completed and task_error are
     refused."""
+    noncanonical_turns: Literal["keep", "end"] = "keep"
+    """What a turn whose sampled ids are not the tokenizer's canonical encoding of their text does (another
+    segmentation of a BPE word, a control tag spelled byte by byte, text that merged with the template's).
+    "keep": AgentRL's token-in, token-out (seed 000 §3.2): the sampled ids stay the record, as sampled and
+    trained on, and the environment's answer is the template's difference appended after them; the
+    trajectory goes on. "end": the turn is invalid output and the trajectory ends as agent_validation_failed
+    (this project's rule before; measured to end 97% of the six-family SFT policy's db/os/kg/webshop
+    trajectories on their first turn, docs/RESULTS.md)."""
     engine_retries: int = Field(3, ge=0)
     """Not in the paper: retries of one turn's engine call (same prompt tokens) before the trajectory is a task_error."""
     engine_retry_backoff_s: float = Field(0.5, ge=0.0)
     """Not in the paper: first retry delay, doubled at each further retry."""
     engine_timeout_s: float = Field(600.0, gt=0.0)
     """Not in the paper: one completion request's timeout (1024 tokens on a busy CPU engine take minutes)."""
+    engine_api_key: SecretStr | None = None
+    """Not in the paper: the key engines require on their OpenAI routes (vLLM's --api-key; `rollstream engine` gives
+    it to its server), sent by every caller as a bearer token. None: engines are open, and reachable from this
+    host only unless engines.bind_host says otherwise. Set it from the environment: ROLLSTREAM_AGENT_LOOP__ENGINE_API_KEY."""
+    max_env_output_chars: int = Field(32_768, ge=64)
+    """Not in the paper: characters of one environment message the policy sees; a longer one keeps its head and a
+    note of how much was cut (env_workers/chat_template.bounded). 4 x max_total_len: at about 4 characters a
+    token, a longer answer could never fit the context and would only cost tokenizing every turn."""
     step_latency: StepLatency = StepLatency()
     """Not in the paper: delay added to every environment step, for benchmarks (off by default)."""
 

@@ -197,6 +197,9 @@ def test_incomplete_status_gets_the_incomplete_punishment(encoder):
 
 DEFAULT_PUNISHED = {Status.TASK_LIMIT_REACHED, Status.AGENT_CONTEXT_LIMIT}
 WIDE = AgentLoopSettings(engine_retry_backoff_s=0.0, punished_statuses=WIDE_PUNISHED_STATUSES)
+END = AgentLoopSettings(engine_retry_backoff_s=0.0, noncanonical_turns="end")
+WIDE_END = AgentLoopSettings(engine_retry_backoff_s=0.0, punished_statuses=WIDE_PUNISHED_STATUSES,
+                             noncanonical_turns="end")
 
 
 @pytest.mark.parametrize("status", list(Status), ids=str)
@@ -331,10 +334,10 @@ def test_length_truncated_turn_is_closed_by_the_template_with_mask_zero(encoder)
 
 @pytest.mark.parametrize("bad_ids", [[0xFF, 0xFE], [ord(c) for c in "<tool_call>"]],
                          ids=["invalid-utf8", "tag-spelled-in-bytes"])
-def test_non_canonical_output_ends_as_agent_validation_failed_and_keeps_its_tokens(encoder, bad_ids):
+def test_with_end_non_canonical_output_ends_as_agent_validation_failed_and_keeps_its_tokens(encoder, bad_ids):
     eos = encoder.eos_token_id
     engine = ScriptedEngine(encoder, [CALL, [*bad_ids, eos]])
-    rollout = run(encoder, FakeEnv(rounds=5), engine)
+    rollout = run(encoder, FakeEnv(rounds=5), engine, END)
     t = rollout.trajectory
     ids, mask, _ = arrays(rollout)
     last = t["turns"][-1]
@@ -343,14 +346,15 @@ def test_non_canonical_output_ends_as_agent_validation_failed_and_keeps_its_toke
     assert ids[last["start"]:] == [*bad_ids, eos] and mask[last["start"]:] == [1] * (len(bad_ids) + 1)
     # The invariant holds up to the start of the invalid turn.
     assert encoder.encode(rollout.messages[:-1], TOOLS, True) == ids[:last["start"]]
-    assert run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [CALL, [*bad_ids, eos]]), WIDE).trajectory[
+    assert run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [CALL, [*bad_ids, eos]]), WIDE_END).trajectory[
         "reward"] == -0.2
 
 
-def test_a_valid_tool_call_sampled_in_non_canonical_tokens_is_ended_and_counted(encoder):
+def test_with_end_a_valid_tool_call_sampled_in_non_canonical_tokens_is_ended_and_counted(encoder):
     spelled_out = [ord(c) for c in CALL]  # the call's text byte by byte: a valid call, not its canonical ids
     assert spelled_out != encoder.encode_text(CALL)
-    rollout = run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [CALL, [*spelled_out, encoder.eos_token_id]]))
+    rollout = run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [CALL, [*spelled_out, encoder.eos_token_id]]),
+                  END)
     t = rollout.trajectory
     assert t["status"] == "agent_validation_failed" and t["metrics"]["noncanonical_valid_calls"] == 1.0
     assert rollout.steps[-1]["tool_calls"] == [] and rollout.steps[-1]["parse_error"] is None
@@ -359,9 +363,51 @@ def test_a_valid_tool_call_sampled_in_non_canonical_tokens_is_ended_and_counted(
 def test_non_canonical_output_that_is_no_valid_call_is_not_counted(encoder):
     unknown_tool = [ord(c) for c in CALL.replace('"add"', '"mul"')]
     for output in ([0xFF, 0xFE], unknown_tool):
-        rollout = run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [[*output, encoder.eos_token_id]]))
+        rollout = run(encoder, FakeEnv(rounds=5), ScriptedEngine(encoder, [[*output, encoder.eos_token_id]]), END)
         t = rollout.trajectory
         assert t["status"] == "agent_validation_failed" and t["metrics"]["noncanonical_valid_calls"] == 0.0
+        assert t["metrics"]["noncanonical_turns"] == 1.0
+
+
+def test_by_default_a_valid_call_in_non_canonical_tokens_goes_on_with_its_sampled_ids_kept(encoder):
+    eos = encoder.eos_token_id
+    spelled_out = [ord(c) for c in CALL]  # a well-formed call whose ids are not the tokenizer's own
+    env = FakeEnv(rounds=2)
+    rollout = run(encoder, env, ScriptedEngine(encoder, [[*spelled_out, eos], CALL]))
+    t = rollout.trajectory
+    ids, mask, _ = arrays(rollout)
+    assert (t["status"], t["reward"]) == ("completed", 1.0)
+    assert t["metrics"]["noncanonical_turns"] == 1.0 and t["metrics"]["noncanonical_valid_calls"] == 1.0
+    assert len(env.seen) == 2 and rollout.steps[0]["tool_calls"][0]["name"] == "add"  # the environment got the call
+    first = t["turns"][0]
+    span = slice(first["start"], first["start"] + first["length"])
+    assert ids[span] == [*spelled_out, eos] and mask == [1 if i in generated_positions(rollout) else 0
+                                                         for i in range(len(ids))]
+    # Token in, token out: the record is encode(history) with the kept turn's canonical ids replaced by the sampled ones.
+    canonical = encoder.encode_text(CALL) + [eos]
+    assert encoder.encode(rollout.messages, TOOLS, False) == [*ids[:span.start], *canonical, *ids[span.stop:]]
+
+
+@pytest.mark.parametrize("bad_ids", [[0xFF, 0xFE], [ord(c) for c in "<tool_call>"]],
+                         ids=["invalid-utf8", "tag-spelled-in-bytes"])
+def test_by_default_non_canonical_output_that_is_no_call_is_answered_and_goes_on(encoder, bad_ids):
+    eos = encoder.eos_token_id
+    env = FakeEnv(rounds=1)
+    rollout = run(encoder, env, ScriptedEngine(encoder, [[*bad_ids, eos], CALL]))
+    t = rollout.trajectory
+    assert t["status"] == "completed" and t["metrics"]["noncanonical_turns"] == 1.0
+    assert len(env.seen) == 1 or rollout.steps[0]["parse_error"] is not None  # the turn reached the environment
+
+
+def test_a_turn_stopped_on_length_in_non_canonical_ids_is_closed_by_the_template(encoder):
+    spelled_out = [ord(c) for c in "hello there"]  # no eos: the engine stopped on length
+    rollout = run(encoder, FakeEnv(rounds=1), ScriptedEngine(encoder, [spelled_out, CALL]))
+    ids, mask, _ = arrays(rollout)
+    first = rollout.trajectory["turns"][0]
+    end = first["start"] + first["length"]
+    assert ids[first["start"]:end] == spelled_out
+    assert encoder.decode(ids[end:end + 2]) == "<|im_end|>\n" and mask[end:end + 2] == [0, 0]
+    assert rollout.trajectory["status"] == "completed"
 
 
 def test_turn_provenance_records_planned_and_actual_pool_engine_and_version(encoder):
@@ -448,14 +494,16 @@ def test_template_that_breaks_the_prefix_property_raises_and_still_ends_the_sess
     assert env.ended == 1
 
 
-def test_sampled_text_that_merges_with_the_template_before_it_is_invalid_output_not_a_crash():
+def test_sampled_text_that_merges_with_the_template_before_it_is_no_crash():
     # Merges learned from text full of blank lines: "\n\n\n" is one token, so a turn that starts
     # with two newlines re-encodes the template's "assistant\n" before it differently.
     merged = ChatEncoder(build_tokenizer(["a\n\n\nb", "c\n\n\n\nd", "<|im_start|>assistant\n\n\nx"] * 50, 300))
     env = FakeEnv(rounds=5)
-    rollout = run(merged, env, ScriptedEngine(merged, ["\n\nhello"]))
+    rollout = run(merged, env, ScriptedEngine(merged, ["\n\nhello"]), END)
     assert rollout.trajectory["status"] == "agent_validation_failed"
     assert env.ended == 1
+    kept = run(merged, FakeEnv(rounds=1), ScriptedEngine(merged, ["\n\nhello", CALL]))  # by default it goes on
+    assert kept.trajectory["status"] == "completed" and kept.trajectory["metrics"]["noncanonical_turns"] == 1.0
 
 
 def test_record_arrays_have_one_entry_per_token(encoder):
