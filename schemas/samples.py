@@ -22,7 +22,7 @@ def task_requested(member: int = 0) -> dict[str, Any]:
 def task() -> dict[str, Any]:
     return {"request": task_requested(), "turn_pools": ["current", "stale", "current"],
             "routing_seed": 1234567, "stale_ratio": 0.25, "routing_reason": "mixed",
-            "stale_version": 0, "routed_at_ms": T0 + 3}
+            "stale_version": 0, "routed_at_ms": T0 + 3, "max_turns": 3}
 
 
 def step() -> dict[str, Any]:

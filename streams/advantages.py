@@ -10,6 +10,13 @@
    `normalize=False` (StreamsSettings.task_adv_norm false, AgentRL's `task_adv_norm` flag off)
    leaves the GRPO advantages unchanged; the per-task statistics are still reported.
 
+3. ERPO-style normalization (StreamsSettings.adv_norm "erpo"; ERPO as the issue describes it): within
+   one batch, A_i = (R_i - mean of R over i's group) / (std of R over every trajectory of i's
+   environment, its task family, in the batch + eps). The mean is per question (a group of one
+   has advantage 0); the std is trajectory-weighted, of the raw rewards, `std` kind as above.
+4. Positive-only (StreamsSettings.positive_only_steps): A~ = max(A, 0), the batch's final
+   advantage clipped below at 0, so only better-than-baseline trajectories are reinforced.
+
 Degenerate token sets (documented choice, not from the paper): a task with fewer than two action
 tokens has no Bessel std (torch would return nan); we define the std of zero or one token as 0,
 as the population std is. The same holds whenever all of a task's tokens carry one advantage (one
@@ -26,7 +33,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from streams.settings import StdKind
+from streams.settings import AdvNorm, StdKind
 
 
 def weighted_mean_std(values: np.ndarray, weights: np.ndarray, std: StdKind) -> tuple[float, float]:
@@ -137,3 +144,67 @@ def task_normalize(
     """Per-task token-weighted standardization over the tokens with loss_mask 1 (none: normalize=False)."""
     counts = [int(np.count_nonzero(np.asarray(m))) for m in loss_masks]
     return task_normalize_counts(advantages, task_ids, counts, std=std, eps=eps, normalize=normalize)
+
+
+def erpo_advantages(
+    rewards: Sequence[float] | np.ndarray,
+    group_ids: Sequence[Hashable],
+    env_ids: Sequence[Hashable],
+    std: StdKind = "bessel",
+    eps: float = 1e-6,
+) -> np.ndarray:
+    """ERPO-style advantages of one batch: (R - mean of R over the group) / (std of R over the
+    environment + eps). An environment whose rewards have std 0 (all equal, or one trajectory) gets
+    advantages exactly 0, as task normalization treats a task of one value (module docstring)."""
+    r = np.asarray(rewards, dtype=np.float64)
+    if not len(r) == len(group_ids) == len(env_ids):
+        raise ValueError(f"{len(r)} rewards, {len(group_ids)} group ids, {len(env_ids)} environment ids")
+    centered = np.zeros(len(r), dtype=np.float64)
+    for idx in _members(group_ids).values():
+        centered[idx] = r[idx] - r[idx].mean()
+    out = np.zeros(len(r), dtype=np.float64)
+    for idx in _members(env_ids).values():
+        _, sd = weighted_mean_std(r[idx], np.ones(len(idx)), std)
+        if sd > 0:
+            out[idx] = centered[idx] / (sd + eps)
+    return out
+
+
+def batch_advantages(
+    group_advantages: Sequence[float] | np.ndarray,
+    rewards: Sequence[float] | np.ndarray,
+    group_ids: Sequence[Hashable],
+    task_ids: Sequence[Hashable],
+    token_counts: Sequence[int] | np.ndarray,
+    *,
+    std: StdKind = "bessel",
+    eps: float = 1e-6,
+    normalize: bool = True,
+    adv_norm: AdvNorm = "group",
+    positive_only: bool = False,
+) -> tuple[np.ndarray, dict[Hashable, TaskStats]]:
+    """A batch's final advantages and per-task stats: task normalization of the GRPO advantages
+    (adv_norm "group"), or ERPO from the rewards, then max(A, 0) when positive_only. The "before"
+    stats describe the GRPO advantages, the "after" ones the final advantages, token-weighted."""
+    final, stats = task_normalize_counts(group_advantages, task_ids, token_counts, std, eps, normalize)
+    if adv_norm == "group" and not positive_only:
+        return final, stats  # AgentRL's rule, untouched
+    if adv_norm == "erpo":
+        final = erpo_advantages(rewards, group_ids, task_ids, std, eps)
+    if positive_only:
+        final = np.maximum(final, 0.0)
+    counts = np.asarray(token_counts, dtype=np.float64)
+    for task, idx in _members(task_ids).items():
+        mean_after, std_after = weighted_mean_std(final[idx], counts[idx], std)
+        before = stats[task]
+        stats[task] = TaskStats(before.trajectories, before.tokens, before.mean_before, before.std_before,
+                                mean_after, std_after)
+    return final, stats
+
+
+def _members(keys: Sequence[Hashable]) -> dict[Hashable, list[int]]:
+    """Indices of each key, keys in first-seen order."""
+    members: dict[Hashable, list[int]] = {}
+    for i, k in enumerate(keys):
+        members.setdefault(k, []).append(i)
+    return members

@@ -13,7 +13,7 @@ Tables (one partition):
   group (`summary`)}, until it is batched;
 - `ready` group_id -> the group event as received (raw bytes), until it is batched;
 - `batched` group_id -> {"batch_id", "at_ms"}: a redelivered group that was already trained is
-  dropped. Entries go after closed_retention_s (at the cuts), the horizon over which the
+  dropped (a group the windowed FIFO dropped has batch_id None and "dropped": its reason). Entries go after closed_retention_s (at the cuts), the horizon over which the
   aggregator drops duplicates too.
 A group's arrival writes its own small entries and the run's fixed-size state, never a list of
 every ready group (which would be rewritten, whole, into the state's changelog with each arrival);
@@ -165,7 +165,9 @@ def store_due(state: dict[str, Any], now_ms: int) -> bool:
 def summary(group: dict[str, Any]) -> dict[str, Any]:
     """What plan_batch needs of a ready group (the full event stays in `ready`)."""
     return {"group_id": group["group_id"], "validation": group["validation"],
-            "members": [{"masked": m["masked"]} for m in group["members"]]}
+            "members": [{"masked": m["masked"]} for m in group["members"]],
+            # for batching.split_by_window and the drop metric's label, without decoding the group
+            "task": group["task"], "first_arrival_ms": group["first_arrival_ms"]}
 
 
 def credit(state: dict[str, Any]) -> int | None:
@@ -189,10 +191,13 @@ def _try_cut(tables: BatcherTables, run: str, state: dict[str, Any], now_ms: int
     version = credit(state)
     if batching.wait_reason(state["available"], version, state["index"], settings) is not None:
         return state, [], []
-    plan = batching.plan_batch(queued(tables, run), version, state["index"], settings)
+    ready, expired = batching.split_by_window(queued(tables, run), now_ms, settings)
+    state, dropped = _drop(tables, run, state, expired, batching.WINDOW_REASON, now_ms)
+    plan = batching.plan_batch(ready, version, state["index"], settings)
     if not plan.cut:
-        return state, [], []
+        return state, dropped, []
     groups = [codec().decode(tables.ready[g["group_id"]], GROUP) for g in plan.groups]
+    groups, filtered = batching.variance_filter(groups, settings)
     batch = batching.build_batch(run, state["index"], version, groups, settings, now_ms)
     # encoded before the tables change: a batch that fails to encode changes nothing
     out, uploads = batch_out(batch, claim)
@@ -203,7 +208,25 @@ def _try_cut(tables: BatcherTables, run: str, state: dict[str, Any], now_ms: int
     state = {**state, "available": state["available"] - plan.trajectories, "index": state["index"] + 1,
              "answered": version, "store_failures": 0, "retry_at_ms": None}
     forget_old_batched(tables.batched, now_ms, settings)
-    return state, [out], uploads
+    # the batch first: a failed store reads its event from outs[0] (batcher_agent.handle_event)
+    return state, [out, *dropped, *_drop_metrics(run, state, filtered, batching.VARIANCE_REASON, now_ms)], uploads
+
+
+def _drop_metrics(run: str, state: dict[str, Any], groups: list[Any], reason: str, now_ms: int) -> list[Out]:
+    metrics = [batching.dropped_metric(run, g, reason, state["learner_version"], now_ms) for g in groups]
+    return [(topics.METRICS, topics.GROUP_DROPPED_METRIC.encode(), encode_for(topics.METRICS, m)) for m in metrics]
+
+
+def _drop(tables: BatcherTables, run: str, state: dict[str, Any], groups: list[Any], reason: str, now_ms: int
+          ) -> tuple[dict[str, Any], list[Out]]:
+    """Consumes ready groups (queue summaries) a batch option drops before the plan: recorded as
+    batched without a batch, so a redelivery is dropped too; returns the state and their metrics."""
+    for g in groups:
+        tables.batched[g["group_id"]] = {"batch_id": None, "at_ms": now_ms, "dropped": reason}
+        del tables.ready[g["group_id"]]
+        del tables.queue[g["group_id"]]
+    gone = sum(len(batching.trainable_members(g)) for g in groups)
+    return {**state, "available": state["available"] - gone}, _drop_metrics(run, state, groups, reason, now_ms)
 
 
 def _absorb(tables: BatcherTables, data: bytes) -> str | None:

@@ -14,18 +14,37 @@ trajectories below, never above. Masked members are not trained and are not coun
 The cut condition is on what is ready (as the paper states it), not on what the rounding
 leaves: with masked groups, or a multiple that does not divide min_trajectories, a batch can
 hold a few trajectories fewer than the minimum rather than wait for another whole round.
+
+Batch construction options (StreamsSettings; all off by default, ARCHITECTURE.md "Batch
+construction options"), in the order a cut applies them:
+1. windowed FIFO (`fifo_window_s`): ready groups older than the window are dropped before the
+   plan, so they never take a fresh group's place (`split_by_window`);
+2. RAGEN's variance filter (`variance_filter_keep`): of the planned groups only the fraction of
+   largest reward std is trained (`variance_filter`);
+3. ERPO normalization (`adv_norm`) and the positive-only start (`positive_only_steps`) change the
+   advantages of the batch, not its groups (`build_batch`, streams/advantages.py).
+A dropped group is still consumed by the cut (never offered again) and reported with a
+`streams/group_dropped` metric (`dropped_metric`), which releases it at the dispatcher as an
+aggregator's drop does; groups stay whole throughout.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from schemas import topics
 from schemas.arrays import unpack_mask
 from schemas.ids import batch_id
-from streams.advantages import task_normalize_counts
+from streams.advantages import batch_advantages, weighted_mean_std
 from streams.settings import StreamsSettings
+
+WINDOW_REASON, VARIANCE_REASON = "fifo_window", "variance_filter"
+"""The `reason` label of a group dropped by the windowed FIFO or by the variance filter."""
 
 
 @dataclass(frozen=True)
@@ -89,6 +108,62 @@ def plan_batch(ready: Sequence[dict[str, Any]], credit_version: int | None, batc
     return BatchPlan(True, "cut", taken, left, count)
 
 
+def split_by_window(ready: Sequence[Mapping[str, Any]], now_ms: int, settings: StreamsSettings
+                    ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """(inside the window, expired), each in the given order: a group is expired when its first
+    member arrived more than fifo_window_s before `now_ms` (the clock of the aggregator that stamped
+    first_arrival_ms, so no worker's clock is compared with another's). A queue entry written before
+    it carried first_arrival_ms counts as inside. No window: every group is inside."""
+    if settings.fifo_window_s is None:
+        return list(ready), []
+    horizon_ms = settings.fifo_window_s * 1000
+    inside: list[Mapping[str, Any]] = []
+    expired: list[Mapping[str, Any]] = []
+    for g in ready:
+        arrived = g.get("first_arrival_ms")
+        (expired if arrived is not None and now_ms - arrived > horizon_ms else inside).append(g)
+    return inside, expired
+
+
+def group_reward_std(group: Mapping[str, Any], settings: StreamsSettings) -> float:
+    """Std of the rewards of a group's trainable members (0 for one member), settings.std kind."""
+    rewards = np.array([m["trajectory"]["reward"] for m in trainable_members(group)], dtype=np.float64)
+    return weighted_mean_std(rewards, np.ones(len(rewards)), settings.std)[1]
+
+
+def variance_filter(groups: Sequence[Mapping[str, Any]], settings: StreamsSettings
+                    ) -> tuple[list[Mapping[str, Any]], list[Mapping[str, Any]]]:
+    """(kept, filtered), each in arrival order. RAGEN's top-k rollout filter keeps the
+    int(ratio * groups) groups of largest reward std, at least one; here the count is taken in
+    trajectories so the batch stays a multiple of trajectory_multiple: the groups of largest std
+    (ties: earlier arrival first) are kept whole while they fit under
+    max(multiple, floor(keep * trajectories / multiple) * multiple). With full groups and the
+    multiple equal to group_size this is exactly RAGEN's group count."""
+    if settings.variance_filter_keep >= 1.0:
+        return list(groups), []
+    sizes = [len(trainable_members(g)) for g in groups]
+    multiple = settings.trajectory_multiple
+    # round first, as first_batch_trajectories does: 0.7 * 10 must not become 6.999...
+    share = math.floor(round(settings.variance_filter_keep * sum(sizes), 9))
+    target = max(multiple, share // multiple * multiple)
+    stds = [group_reward_std(g, settings) for g in groups]
+    kept: set[int] = set()
+    count = 0
+    for i in sorted(range(len(groups)), key=lambda i: (-stds[i], i)):
+        if count + sizes[i] <= target:
+            kept.add(i)
+            count += sizes[i]
+    return ([g for i, g in enumerate(groups) if i in kept],
+            [g for i, g in enumerate(groups) if i not in kept])
+
+
+def dropped_metric(run: str, group: Mapping[str, Any], reason: str, step: int | None, now_ms: int) -> dict[str, Any]:
+    """The `streams/group_dropped` metric of a group a cut drops (labels as the aggregator's drops)."""
+    return {"run": run, "name": topics.GROUP_DROPPED_METRIC, "value": 1.0, "step": step,
+            "labels": {"group_id": group["group_id"], "reason": reason, "task": group.get("task", "")},
+            "source": "streams/batcher", "at_ms": now_ms}
+
+
 def action_tokens(trajectory: Mapping[str, Any]) -> int:
     """Tokens with loss_mask 1. When the arrays were offloaded (arrays_uri set, loss_mask empty)
     the per-turn lengths, which count exactly those tokens, stand in for the mask."""
@@ -101,13 +176,15 @@ def build_batch(run: str, index: int, credit_version: int, groups: Sequence[Mapp
                 settings: StreamsSettings, now_ms: int) -> dict[str, Any]:
     """The batches event (schemas/avro/batch.avsc): unmasked members with their GRPO advantage
     and their final advantage after per-task token-weighted normalization (tasks sorted by name),
-    or, with settings.task_adv_norm off, the GRPO advantage unchanged."""
+    or, with settings.task_adv_norm off, the GRPO advantage unchanged; with settings.adv_norm
+    "erpo" the ERPO advantage instead, and in the first positive_only_steps batches max(A, 0)."""
     members = [m for g in groups for m in trainable_members(g)]
     tasks: list[Hashable] = [m["trajectory"]["task"] for m in members]
     group_adv = [m["advantage"] for m in members]
-    final, stats = task_normalize_counts(
-        group_adv, tasks, [action_tokens(m["trajectory"]) for m in members], settings.std, settings.eps,
-        normalize=settings.task_adv_norm)
+    final, stats = batch_advantages(
+        group_adv, [m["trajectory"]["reward"] for m in members], [m["trajectory"]["group_id"] for m in members],
+        tasks, [action_tokens(m["trajectory"]) for m in members], std=settings.std, eps=settings.eps,
+        normalize=settings.task_adv_norm, adv_norm=settings.adv_norm, positive_only=index < settings.positive_only_steps)
     group_ids = [g["group_id"] for g in groups]
     return {
         "batch_id": batch_id(run, group_ids),

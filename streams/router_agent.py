@@ -69,11 +69,14 @@ def on_request(state_table: MutableMapping[str, Any], request: dict[str, Any], p
     """Plans one task request from this partition's registry; returns its tasks event."""
     state = state_table.get(partition_key(partition)) or empty_state()
     pools = routing.pool_states(state["registry"], now_ms, int(settings.engine_liveness_s * 1000))
+    version = state["versions"].get(request["run"], 0)
+    # validation keeps the full budget, so its success rates compare across the schedule's stages
+    turns = settings.max_turns if request["validation"] else routing.turn_budget(
+        version, settings.turn_schedule, settings.max_turns)
     plan = routing.plan_turn_pools(
-        request["run"], request["group_id"], request["member"], settings.max_turns, settings.stale_ratio,
+        request["run"], request["group_id"], request["member"], turns, settings.stale_ratio,
         pools[routing.STALE], request["validation"], settings.max_stale_lag,
-        learner_version=state["versions"].get(request["run"], 0), stale_step=settings.stale_step,
-        mode=settings.routing_mode)
+        learner_version=version, stale_step=settings.stale_step, mode=settings.routing_mode)
     task = routing.task_event(request, plan, now_ms)
     return [(topics.TASKS, request["group_id"].encode(), encode_for(topics.TASKS, task))]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +65,18 @@ def routing_seed(run: str, group_id: str, member: int) -> int:
 def stale_schedule(learner_version: int, stale_step: int) -> int:
     """The version the stale pool should hold: the latest multiple of stale_step <= learner_version."""
     return (learner_version // stale_step) * stale_step
+
+
+def turn_budget(learner_version: int, schedule: Sequence[tuple[int, int]], max_turns: int) -> int:
+    """Turns a training task routed at `learner_version` may take: ScalingInter-RL's staged horizon
+    (AgentGym-RL, arXiv 2509.08755), the budget of the last stage (from_version, turns) starting at
+    or before that version; max_turns without a schedule (StreamsSettings.turn_schedule)."""
+    budget = max_turns
+    for from_version, turns in schedule:
+        if from_version > learner_version:
+            break
+        budget = turns
+    return budget
 
 
 def plan_turn_pools(
@@ -131,6 +143,7 @@ def task_event(request: dict[str, Any], plan: RoutingPlan, routed_at_ms: int) ->
         "routing_reason": plan.reason,
         "stale_version": plan.stale_version,
         "routed_at_ms": routed_at_ms,
+        "max_turns": len(plan.turn_pools),  # one planned pool per turn the task may take
     }
 
 

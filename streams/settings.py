@@ -10,6 +10,10 @@ environment.
 Ablation switches of the paper, each off-able alone: `task_adv_norm: false` (GRPO advantages
 only), `stale_ratio: 0` (no cross-policy sampling), `routing_mode: trajectory` (one pool per
 trajectory instead of per turn).
+
+Batch construction options from other papers, each off by default (ARCHITECTURE.md, "Batch
+construction options"): `variance_filter_keep` (RAGEN), `adv_norm: erpo` (ERPO), `fifo_window_s`
+(a windowed FIFO), `positive_only_steps` (a positive-only start), `turn_schedule` (ScalingInter-RL).
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 StdKind = Literal["bessel", "population"]
 RoutingMode = Literal["turn", "trajectory"]
+AdvNorm = Literal["group", "erpo"]
+TurnStage = tuple[int, int]
+"""(from learner version, max turns) of one stage of the turn schedule."""
 
 
 class StreamsSettings(BaseModel):
@@ -71,6 +78,28 @@ class StreamsSettings(BaseModel):
     task_adv_norm: bool = True
     """Normalize advantages per task within each batch (AgentRL code flag `task_adv_norm`, on in the paper);
     False trains on the GRPO group advantages unchanged (the AgentRL paper's ablation without it)."""
+    adv_norm: AdvNorm = "group"
+    """How a batch item's final advantage is scaled: "group", GRPO's group std (then `task_adv_norm`; AgentRL),
+    or "erpo", ERPO-style as the issue describes it: A = (R - mean of its question's group) / (std of the rewards
+    of its environment, the task family, in the batch + eps). ERPO replaces the per-task standardization (which
+    would divide its std out again), so it needs task_adv_norm false."""
+    variance_filter_keep: float = Field(1.0, gt=0.0, le=1.0)
+    """RAGEN (Wang et al. 2025, arXiv 2504.20073, StarPO-S rollout filtering; its config/base.yaml keeps 0.25):
+    each cut trains only its groups of largest reward std, whole, this fraction of its trajectories rounded down
+    to the batch multiple (streams/batching.py variance_filter), at least one group; the others are dropped.
+    1.0 (default) keeps every group, as AgentRL does."""
+    fifo_window_s: float | None = Field(None, gt=0)
+    """Windowed FIFO, as the issue describes it: a ready group whose first member arrived more than this many
+    seconds before the cut is dropped instead of trained (groups still go oldest first). None (default): no
+    window, AgentRL trains every ready group."""
+    positive_only_steps: int = Field(0, ge=0)
+    """Positive-only curriculum, as the issue describes it: batches 0 .. N-1 (the first N learner steps, one
+    step per batch) train only on the positive part of each final advantage, max(A, 0). 0 (default): off."""
+    turn_schedule: tuple[TurnStage, ...] = ()
+    """ScalingInter-RL from AgentGym-RL (Xi et al. 2025, arXiv 2509.08755): the training turn budget is raised in
+    stages, e.g. ((0, 8), (100, 12), (200, 15)): from learner version 0 at most 8 turns, from 100 at most 12,
+    from 200 at most 15. The first stage starts at version 0, later ones at increasing versions; no budget
+    exceeds max_turns. Empty (default): every training task has max_turns. Validation tasks always have max_turns."""
 
     @model_validator(mode="after")
     def _stale_pool_groups_must_survive_staleness_check(self) -> StreamsSettings:
@@ -80,6 +109,26 @@ class StreamsSettings(BaseModel):
             raise ValueError(
                 f"max_staleness ({self.max_staleness}) must be at least stale_step + max_stale_lag "
                 f"({self.stale_step + self.max_stale_lag}), or every stale-pool group is dropped")
+        return self
+
+    @model_validator(mode="after")
+    def _erpo_replaces_task_normalization(self) -> StreamsSettings:
+        # Per-task standardization after ERPO divides ERPO's environment std out again (same partition).
+        if self.adv_norm == "erpo" and self.task_adv_norm:
+            raise ValueError("adv_norm erpo replaces the per-task normalization: set task_adv_norm false")
+        return self
+
+    @model_validator(mode="after")
+    def _turn_schedule_rises_from_version_0_within_max_turns(self) -> StreamsSettings:
+        stages = self.turn_schedule
+        if not stages:
+            return self
+        if stages[0][0] != 0:
+            raise ValueError(f"turn_schedule must start at learner version 0, not {stages[0][0]}")
+        if any(later[0] <= earlier[0] for earlier, later in zip(stages, stages[1:])):
+            raise ValueError("turn_schedule's versions must increase from stage to stage")
+        if any(not 1 <= turns <= self.max_turns for _, turns in stages):
+            raise ValueError(f"turn_schedule's turn budgets must lie in 1..max_turns ({self.max_turns})")
         return self
 
     @property

@@ -1,4 +1,4 @@
-"""`rollstream advantages`: GRPO plus per-task normalization on a JSON file, for checking settings.
+"""`rollstream advantages`: GRPO plus per-task normalization (or ERPO) on a JSON file, for checking settings.
 
 Uses exactly the functions the aggregator and the batcher use (streams.advantages).
 """
@@ -9,11 +9,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import typer
 
 from pipeline.cli.toolkit import App, fail
-from streams.advantages import grpo_advantages, task_normalize
-from streams.settings import StdKind, StreamsSettings
+from streams.advantages import batch_advantages, grpo_advantages
+from streams.settings import AdvNorm, StdKind, StreamsSettings
 
 app = App()
 
@@ -45,6 +46,9 @@ def advantages(
     eps: float = typer.Option(StreamsSettings().eps, help="Added to every std."),
     task_adv_norm: bool = typer.Option(StreamsSettings().task_adv_norm, help="Normalize per task (AgentRL's "
                                        "task_adv_norm); off: final advantages are the GRPO ones."),
+    adv_norm: AdvNorm = typer.Option(StreamsSettings().adv_norm, "--adv-norm", help="group: GRPO's group std "
+                                     "(then --task-adv-norm); erpo: (R - group mean) / (std of the task's rewards + "
+                                     "eps), with --no-task-adv-norm."),
 ) -> None:
     """Print GRPO advantages, per-task token stats and final advantages as one JSON object.
 
@@ -52,14 +56,19 @@ def advantages(
 
         rollstream advantages --input example.json --std population
 
+        rollstream advantages --input example.json --adv-norm erpo --no-task-adv-norm
+
     with example.json = {"rewards": [1, 0], "group_ids": [0, 0], "task_ids": ["os", "os"],
     "loss_masks": [[0, 1, 1], [0, 1, 0]]}
     """
+    if adv_norm == "erpo" and task_adv_norm:
+        fail("--adv-norm erpo replaces the per-task normalization: add --no-task-adv-norm")
     data = _read(input_path)
     try:
         grpo = grpo_advantages(data["rewards"], data["group_ids"], std=std, eps=eps)
-        final, stats = task_normalize(grpo, data["task_ids"], data["loss_masks"], std=std, eps=eps,
-                                      normalize=task_adv_norm)
+        counts = [int(np.count_nonzero(np.asarray(m))) for m in data["loss_masks"]]  # as task_normalize counts
+        final, stats = batch_advantages(grpo, data["rewards"], data["group_ids"], data["task_ids"], counts, std=std,
+                                        eps=eps, normalize=task_adv_norm, adv_norm=adv_norm)
     except (TypeError, ValueError) as e:
         fail(f"invalid input: {e}")
     task_stats = {str(task): {"mean": s.mean_before, "std": s.std_before, "tokens": s.tokens,
