@@ -15,8 +15,9 @@ Learning with a Multi-Turn, Multi-Task Framework", arXiv 2510.04206), which inhe
 - an entropy bonus with coefficient 0 by default.
 
 The behaviour policy of the ratio is the **rollout** log-prob each engine reported while
-sampling (possibly a stale engine); it is never recomputed, which is what makes the ratio an
-importance weight for cross-policy sampling.
+sampling (possibly a stale engine); by default it is never recomputed, which is what makes the
+ratio an importance weight for cross-policy sampling (the options below add the learner's own
+recomputed log-prob as a third policy).
 
 Token-mean over a global batch split into micro-batches: every per-token sum below is divided
 by the number of action tokens of the *whole* batch (`global_action_tokens`), not of the
@@ -26,12 +27,50 @@ count. The diagnostics are normalized the same way, so they also add up across m
 
 All per-token tensors here are (B, T-1): position t holds the log-prob of token t+1 of the
 sequence, predicted from the logits at position t (see learner/microbatch.py).
+
+Options (`LearnerSettings.policy_loss`, `is_correction`, `is_level`, `is_cap`; the default, ppo with
+no correction at token level, is the AgentRL loss above, unchanged). Notation: pi_theta the policy
+being trained, pi_behav the rollout (behaviour) log-prob the engine reported, pi_prox the learner's
+own log-prob recomputed under no_grad at the start of the step (learner/step.py), A the advantage,
+r = pi_theta / pi_old the policy ratio, rho = pi_prox / pi_behav the behaviour ratio, C = is_cap:
+
+- `ppo`: dual-clip PPO on r, the loss above.
+- `cispo` (MiniMax, "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention",
+  arXiv 2506.13585): -sg(clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A * log pi_theta.
+  Only the weight is clipped, so every token keeps a gradient.
+- `decoupled` (AReaL, Fu et al., "AReaL: A Large-Scale Asynchronous Reinforcement Learning System
+  for Language Reasoning", arXiv 2505.24298): dual-clip PPO around pi_old = pi_prox, times
+  the behaviour weight rho (uncapped unless a correction below caps it).
+- `tis` (Yao et al., "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+  2025, https://fengyao.notion.site/off-policy-rl): pi_old = pi_prox, and the loss of each token is
+  weighted by min(rho, C).
+- `icepop` (Ling Team, "Every Step Evolves: Scaling Reinforcement Learning for Trillion-Scale
+  Thinking Model", arXiv 2510.18855, IcePop): pi_old = pi_prox, and the weight is rho where
+  1/C <= rho <= C, else 0: such tokens are masked out of the policy-gradient term (they stay in
+  the KL term and in the token-mean's denominator, so the batch's scale does not move).
+- `is_level`: the granularity of every ratio (r and rho). `token`: per token. `sequence`: the
+  geometric mean over the sequence's action tokens, exp(mean log ratio) (ROLL's `geometric`;
+  GSPO's length-normalized ratio, Zheng et al., arXiv 2507.18071), not the product, which over a
+  few hundred tokens leaves [1/C, C] for almost every sequence. `chunk`: ROLL's IPA (alibaba/ROLL,
+  `compute_segment_masked_mean`), the geometric mean over each chunk, one chunk = one contiguous
+  run of 1s of the loss mask within a sequence, i.e. one assistant turn (the environment's tokens
+  between two turns have mask 0).
+
+With one optimizer step per batch, pi_prox equals pi_theta in value (the weights are only stepped
+after the last micro-batch), so r = 1 and the PPO clip around pi_prox does not bind: decoupled,
+tis and icepop then train on -w * A * grad log pi_theta, w the behaviour weight. With a
+correction, decoupled is the same expression as ppo.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from learner.settings import ISCorrection, ISLevel, PolicyLoss
+
+# verl clamps log-ratios before exp so that a stale-engine outlier cannot overflow.
+LOG_RATIO_BOUND = 20.0
 
 
 def next_token_logits(
@@ -64,6 +103,36 @@ def token_entropy(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)  # (B, T-1)
 
 
+def level_log_ratio(log_ratio: Tensor, loss_mask: Tensor, level: ISLevel) -> Tensor:
+    """Each action token's log-ratio at `level`; (B, T-1) -> (B, T-1), 0 where loss_mask is 0.
+
+    token: unchanged. sequence: the mean over the row's action tokens (one row = one sequence).
+    chunk: the mean over the token's chunk, a contiguous run of 1s of the row's loss_mask (one
+    assistant turn; ROLL's IPA). exp() of a mean log-ratio is the geometric mean of the ratios.
+    The gradient flows to every token of the sequence or chunk.
+    """
+    if level == "token":
+        return log_ratio
+    action = loss_mask > 0  # (B, T-1)
+    # where, not a product: a non-finite log-ratio off the mask must not reach a mean as 0 * inf.
+    on_mask = torch.where(action, log_ratio, torch.zeros_like(log_ratio))  # (B, T-1)
+    if level == "sequence":
+        tokens = action.sum(-1, keepdim=True).clamp(min=1).to(log_ratio.dtype)  # (B, 1)
+        mean = on_mask.sum(-1, keepdim=True) / tokens  # (B, 1)
+        return torch.where(action, mean.expand_as(log_ratio), torch.zeros_like(log_ratio))  # (B, T-1)
+    if level == "chunk":
+        # A chunk starts where the mask goes 0 -> 1; its id (1, 2, ...) is the running count of starts.
+        before = torch.nn.functional.pad(action[:, :-1], (1, 0))  # (B, T-1): the previous token's flag
+        chunk_id = torch.cumsum((action & ~before).long(), dim=-1) * action.long()  # (B, T-1), 0 off the mask
+        slots = log_ratio.shape[-1] + 1  # ids 0 .. T-1
+        sums = on_mask.new_zeros(on_mask.shape[0], slots).scatter_add(-1, chunk_id, on_mask)  # (B, S)
+        counts = on_mask.new_zeros(on_mask.shape[0], slots).scatter_add(
+            -1, chunk_id, action.to(log_ratio.dtype)).clamp(min=1.0)  # (B, S)
+        means = (sums / counts).gather(-1, chunk_id)  # (B, S) -> (B, T-1)
+        return torch.where(action, means, torch.zeros_like(log_ratio))  # (B, T-1)
+    raise ValueError(f"unknown is_level {level!r}")
+
+
 def policy_loss(
     logprobs: Tensor,
     rollout_logprobs: Tensor,
@@ -79,37 +148,81 @@ def policy_loss(
     kl_coef: float,
     kl_clamp: float,
     entropy_coef: float,
+    prox_logprobs: Tensor | None = None,
+    objective: PolicyLoss = "ppo",
+    is_correction: ISCorrection = "none",
+    is_level: ISLevel = "token",
+    is_cap: float = 2.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Dual-clip PPO + k3 KL - entropy bonus, token-mean over `global_action_tokens`.
+    """Policy loss (`objective`, off-policy correction) + k3 KL - entropy bonus, token-mean over
+    `global_action_tokens`.
 
-    All tensor arguments are (B, T-1); `loss_mask` is 1 on action tokens. Returns the loss of
-    this micro-batch (to be summed over micro-batches) and detached diagnostics named
-    actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl, actor/kl_loss,
-    actor/entropy, each a token-mean share that sums over micro-batches like the loss.
+    All tensor arguments are (B, T-1); `loss_mask` is 1 on action tokens; `prox_logprobs`, the
+    learner's own log-probs at the start of the step (no graph), is needed by decoupled and by any
+    correction. Returns the loss of this micro-batch (to be summed over micro-batches) and detached
+    diagnostics named actor/pg_loss, actor/pg_clipfrac, actor/pg_clipfrac_lower, actor/ppo_kl,
+    actor/kl_loss, actor/entropy, and with a behaviour weight actor/is_weight, actor/is_clipfrac,
+    actor/behav_kl, each a token-mean share that sums over micro-batches like the loss.
     """
     if global_action_tokens <= 0:
         raise ValueError("the batch has no action tokens to train on")
+    # decoupled and the corrections separate the behaviour policy (rollout) from the old policy (prox).
+    behaviour_weighted = objective == "decoupled" or is_correction != "none"
+    if behaviour_weighted and prox_logprobs is None:
+        raise ValueError(f"policy_loss {objective!r} with is_correction {is_correction!r} needs prox_logprobs")
     mask = loss_mask.to(logprobs.dtype)
 
     def token_mean(per_token: Tensor) -> Tensor:
         """This micro-batch's share of the global token-mean: sum(x * mask) / global tokens."""
         return (per_token * mask).sum() / global_action_tokens
 
-    # --- importance ratio to the behaviour (rollout) policy ---
-    log_ratio = logprobs - rollout_logprobs
-    # verl clamps before exp so a stale-engine outlier cannot overflow; the clip below bounds it anyway.
-    log_ratio = torch.clamp(log_ratio, min=-20.0, max=20.0)
+    # --- policy ratio r = pi_theta / pi_old: pi_old is the rollout's, or the recomputed proximal policy ---
+    old_logprobs = prox_logprobs if behaviour_weighted else rollout_logprobs
+    log_ratio = level_log_ratio(logprobs - old_logprobs, loss_mask, is_level)
+    # Clamped before exp so that a stale-engine outlier cannot overflow; the clips below bound it anyway.
+    log_ratio = torch.clamp(log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)
 
-    # --- PPO clipped surrogate (Schulman et al. 2017) ---
-    pg_losses1 = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clipped = torch.maximum(pg_losses1, pg_losses2)
+    if objective == "cispo":
+        # --- CISPO (MiniMax-M1): the clipped ratio, stop-gradient, weighs A * log pi_theta ---
+        cispo_weight = torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high).detach()
+        pg_losses = -cispo_weight * advantages * logprobs
+        with torch.no_grad():
+            pg_clipfrac = token_mean((cispo_weight != ratio).to(mask.dtype))
+            pg_clipfrac_lower = token_mean(torch.zeros_like(mask))  # no dual clip in CISPO
+    else:
+        # --- PPO clipped surrogate (Schulman et al. 2017) ---
+        pg_losses1 = -advantages * ratio
+        pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        clipped = torch.maximum(pg_losses1, pg_losses2)
 
-    # --- dual clip for negative advantages (Ye et al. 2020) ---
-    pg_losses3 = -advantages * clip_ratio_c
-    dual_clipped = torch.minimum(clipped, pg_losses3)
-    pg_losses = torch.where(advantages < 0, dual_clipped, clipped)
+        # --- dual clip for negative advantages (Ye et al. 2020) ---
+        pg_losses3 = -advantages * clip_ratio_c
+        dual_clipped = torch.minimum(clipped, pg_losses3)
+        pg_losses = torch.where(advantages < 0, dual_clipped, clipped)
+        with torch.no_grad():
+            pg_clipfrac = token_mean((pg_losses2 > pg_losses1).to(mask.dtype))
+            pg_clipfrac_lower = token_mean(((clipped > pg_losses3) & (advantages < 0)).to(mask.dtype))
+
+    behaviour_metrics: dict[str, Tensor] = {}
+    if behaviour_weighted:
+        # --- behaviour weight w from rho = pi_prox / pi_behav: raw (AReaL), truncated (TIS) or masked (IcePop) ---
+        behav_log_ratio = level_log_ratio(prox_logprobs - rollout_logprobs, loss_mask, is_level)
+        rho = torch.exp(torch.clamp(behav_log_ratio, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND))
+        if is_correction == "tis":
+            is_weight = torch.clamp(rho, max=is_cap)
+        elif is_correction == "icepop":
+            is_weight = torch.where((rho >= 1.0 / is_cap) & (rho <= is_cap), rho, torch.zeros_like(rho))
+        else:
+            is_weight = rho
+        pg_losses = is_weight.detach() * pg_losses
+        with torch.no_grad():
+            behaviour_metrics = {
+                "actor/is_weight": token_mean(is_weight),
+                "actor/is_clipfrac": token_mean((is_weight != rho).to(mask.dtype)),  # truncated or masked
+                # Approximate KL(behaviour || proximal), k1: how far the engines' log-probs are from the learner's.
+                "actor/behav_kl": token_mean(rollout_logprobs - prox_logprobs),
+            }
     pg_loss = token_mean(pg_losses)
 
     # --- k3 KL to the frozen reference (Schulman 2020), clamped ---
@@ -122,9 +235,7 @@ def policy_loss(
     loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss
 
     with torch.no_grad():
-        pg_clipfrac = token_mean((pg_losses2 > pg_losses1).to(mask.dtype))
-        pg_clipfrac_lower = token_mean(((clipped > pg_losses3) & (advantages < 0)).to(mask.dtype))
-        # Approximate KL(behaviour || current), k1 estimator, as verl reports it.
+        # Approximate KL(old || current), k1 estimator, as verl reports it.
         ppo_kl = token_mean(-log_ratio)
     metrics = {
         "actor/pg_loss": pg_loss.detach(),
@@ -133,5 +244,6 @@ def policy_loss(
         "actor/ppo_kl": ppo_kl,
         "actor/kl_loss": kl_loss.detach(),
         "actor/entropy": entropy_loss.detach(),
+        **behaviour_metrics,
     }
     return loss, metrics

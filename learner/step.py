@@ -1,5 +1,9 @@
 """One learner step: reference log-probs, actor forward/backward per micro-batch, clip, AdamW.
 
+With `policy_loss: decoupled` or an `is_correction` (learner/loss.py), the step first recomputes the
+actor's own log-probs under no_grad, once, like the reference pass: the proximal/old policy of the
+loss. Plain ppo skips that pass, so it costs one actor forward per micro-batch less.
+
 `train_step` is pure with respect to I/O: it takes models, an optimizer and plain arrays, and
 returns metrics; consuming `batches`, publishing weights and checkpointing happen around it.
 
@@ -109,15 +113,23 @@ def train_step(
 
     # --- phase 1: reference log-probs (frozen initial policy) of this rank's micro-batches, no graph kept ---
     started = clock()
-    ref_logprobs = _reference_logprobs(ref_model, [micro_batches[index] for index, _ in share], settings,
+    ref_logprobs = _logprobs_without_graph(ref_model, [micro_batches[index] for index, _ in share], settings,
                                        _device_of(model))
     ref_done = clock()
+
+    # --- phase 1b (decoupled, corrections): the actor's own log-probs before this step changes it, no graph ---
+    # Only the optimizer step after the last micro-batch moves the weights, so this is pi_prox for every micro-batch.
+    prox_logprobs: list[torch.Tensor | None] = [None] * len(share)
+    if settings.needs_prox_logprobs:
+        prox_logprobs = list(_logprobs_without_graph(model, [micro_batches[index] for index, _ in share], settings,
+                                                 _device_of(model)))
+    prox_done = clock()
 
     # --- phase 2: actor forward/backward per micro-batch, gradients accumulate; only the last backward syncs ---
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    shares = _accumulate_gradients(model, micro_batches, share, ref_logprobs, global_action_tokens, settings,
-                                   sync, world)
+    shares = _accumulate_gradients(model, micro_batches, share, ref_logprobs, prox_logprobs, global_action_tokens,
+                                   settings, sync, world)
 
     # --- phase 3: metrics summed over ranks, then clip and step (on identical gradients), free the gradients ---
     names = sorted(shares)
@@ -138,23 +150,26 @@ def train_step(
             "actor/tokens": float(sum(int(mb.attention_mask.sum()) for mb in micro_batches)),
             "actor/micro_batches": float(len(micro_batches)),
             "timing/ref_s": ref_done - started,
-            "timing/actor_s": actor_done - ref_done,
+            "timing/actor_s": actor_done - prox_done,
         }
     )
+    if settings.needs_prox_logprobs:
+        result["timing/prox_s"] = prox_done - ref_done
     return result
 
 
-def _reference_logprobs(ref_model: torch.nn.Module, micro_batches: Sequence[MicroBatch], settings: LearnerSettings,
-                        device: torch.device) -> list[torch.Tensor]:
-    """The frozen reference policy's log-probs of each micro-batch's tokens, on the actor's device."""
-    ref_device = _device_of(ref_model)
-    ref_model.eval()
+def _logprobs_without_graph(policy: torch.nn.Module, micro_batches: Sequence[MicroBatch], settings: LearnerSettings,
+                            device: torch.device) -> list[torch.Tensor]:
+    """The log-probs of each micro-batch's tokens under `policy`, without a graph, on `device`: the frozen
+    reference policy's, or the actor's own before the step (the proximal policy)."""
+    policy_device = _device_of(policy)
+    policy.eval()
     out: list[torch.Tensor] = []
     with torch.no_grad():
         for mb in micro_batches:
-            input_ids = _tensor(mb.input_ids, ref_device)  # (B, T)
+            input_ids = _tensor(mb.input_ids, policy_device)  # (B, T)
             logits = next_token_logits(
-                ref_model, input_ids, _tensor(mb.attention_mask, ref_device), settings.temperature
+                policy, input_ids, _tensor(mb.attention_mask, policy_device), settings.temperature
             )  # (B, T-1, V)
             out.append(token_logprobs(logits, input_ids).to(device))  # (B, T-1)
     return out
@@ -162,12 +177,12 @@ def _reference_logprobs(ref_model: torch.nn.Module, micro_batches: Sequence[Micr
 
 def _accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[MicroBatch],
                           share: Sequence[tuple[int, float]], ref_logprobs: Sequence[torch.Tensor],
-                          global_action_tokens: int, settings: LearnerSettings, sync: GradientSync | None,
-                          world: int) -> dict[str, list[torch.Tensor]]:
+                          prox_logprobs: Sequence[torch.Tensor | None], global_action_tokens: int,
+                          settings: LearnerSettings, sync: GradientSync | None, world: int) -> dict[str, list[torch.Tensor]]:
     """Forward and backward of this rank's micro-batches; returns metric -> per-micro-batch shares (on device)."""
     device = _device_of(model)
     shares: dict[str, list[torch.Tensor]] = defaultdict(list)
-    for n, ((index, weight), ref_lp) in enumerate(zip(share, ref_logprobs, strict=True)):
+    for n, ((index, weight), ref_lp, prox_lp) in enumerate(zip(share, ref_logprobs, prox_logprobs, strict=True)):
         mb = micro_batches[index]
         local = sync is not None and n < len(share) - 1
         with sync.skip_sync() if local else contextlib.nullcontext():
@@ -189,6 +204,11 @@ def _accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[MicroB
                 kl_coef=settings.kl_coef,
                 kl_clamp=settings.kl_clamp,
                 entropy_coef=settings.entropy_coef,
+                prox_logprobs=prox_lp,
+                objective=settings.policy_loss,
+                is_correction=settings.is_correction,
+                is_level=settings.is_level,
+                is_cap=settings.is_cap,
             )
             # x world: DDP and FSDP average gradients over ranks; the step wants the sum of the shares.
             (loss * (weight * world)).backward()

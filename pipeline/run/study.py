@@ -14,7 +14,9 @@ seed and variant: `up` makes it once when it does not exist, and remaking it per
 the variants are compared on the same task orders and, where their prompts and weights agree (the
 validation round before training), on the same samples.
 
-The variants are the AgentRL paper's ablations, as configuration overrides in one table (VARIANTS).
+The variants are the AgentRL paper's ablations, the batch construction options of other papers
+(RAGEN, ERPO, ScalingInter-RL, ...) and policy loss options (MiniMax-M1, AReaL, IcePop, ROLL), as
+configuration overrides in one table (VARIANTS).
 """
 
 from __future__ import annotations
@@ -44,6 +46,19 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "no-task-norm": {"streams": {"task_adv_norm": False}},  # GRPO advantages only
     "no-cross": {"streams": {"stale_ratio": 0.0}},  # no cross-policy sampling (the stale engines idle)
     "trajectory-mix": {"streams": {"routing_mode": "trajectory"}},  # one pool per trajectory, not per turn
+    # batch construction options (ARCHITECTURE.md "Batch construction options"); the values are for
+    # configs/cpu.yaml (24 steps, max_turns 6) where the paper's own do not fit
+    "variance-filter": {"streams": {"variance_filter_keep": 0.25}},  # RAGEN's config/base.yaml: top 25% by reward std
+    "erpo-norm": {"streams": {"adv_norm": "erpo", "task_adv_norm": False}},  # group mean, environment std
+    "fifo-window": {"streams": {"fifo_window_s": 300.0}},  # rollstream's pick: groups at most 5 minutes old
+    "positive-first": {"streams": {"positive_only_steps": 8}},  # max(A, 0) for the first third of 24 steps
+    # ScalingInter-RL's 8 -> 12 -> 15 of 15 turns, scaled to 6 turns, raised at thirds of 24 steps
+    "turn-schedule": {"streams": {"turn_schedule": ((0, 3), (8, 5), (16, 6))}},
+    # policy loss options (ARCHITECTURE.md "Policy loss options"), each with the learner's is_cap 2
+    "cispo": {"learner": {"policy_loss": "cispo"}},  # MiniMax-M1: clipped stop-gradient weight on A * log pi
+    "decoupled-tis": {"learner": {"policy_loss": "decoupled", "is_correction": "tis"}},  # AReaL + weight min(rho, 2)
+    "icepop": {"learner": {"is_correction": "icepop"}},  # tokens whose rho leaves [0.5, 2] masked
+    "ipa": {"learner": {"is_level": "chunk"}},  # ROLL's IPA: ratios per assistant turn
 }
 """Variant name -> the configuration overrides it runs with (nested as in the YAML file)."""
 
