@@ -2,7 +2,9 @@
 
 Bytes and local directories only: uploading to and downloading from the object store is the
 caller's job, so these functions are testable without MinIO. Reading always checks every
-shard's sha256 and size against the manifest before trusting its bytes.
+shard's sha256 and size against the manifest before trusting its bytes. Every tensor's own sha256
+is recorded too (`tensor_sha256`): a delta version (learner/delta.py) is checked by it after being
+applied, since its shards hold changes, not the tensors.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ def specs_of(tensors: Mapping[str, torch.Tensor]) -> list[TensorSpec]:
     return [TensorSpec(name=n, shape=tuple(t.shape), dtype=dtype_name(t.dtype)) for n, t in tensors.items()]
 
 
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of a CPU tensor as a flat view (a copy only when it is not contiguous); any dtype,
+    bfloat16 included, which numpy cannot hold."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def tensor_sha256(tensor: torch.Tensor) -> str:
+    """Hex sha256 of a tensor's raw bytes: the per-tensor checksum of the weight contract."""
+    return hashlib.sha256(tensor_bytes(tensor)).hexdigest()
+
+
 def shard_file_name(index: int, count: int) -> str:
     """Hugging Face's shard naming, so a version directory also loads with standard tools."""
     return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
@@ -62,12 +76,14 @@ def encode_version(
     step: int,
     config: Mapping[str, Any],
     max_shard_bytes: int,
+    checksums: Mapping[str, str] | None = None,
 ) -> tuple[WeightManifest, dict[str, bytes]]:
     """Serializes named tensors into shards of at most `max_shard_bytes` (a larger tensor alone).
 
     Returns the manifest and {shard file name: bytes}. Tensors are cloned to CPU one shard at a
     time (safetensors refuses tensors that share storage, such as tied embeddings), so the extra
-    memory is bounded by one shard.
+    memory is bounded by one shard. `checksums` are tensors' sha256 the caller has already checked
+    (a version rebuilt from a delta chain): hashing them again would cost a pass over the weights.
     """
     groups = plan_buckets(specs_of(tensors), max_shard_bytes)
     shards: dict[str, bytes] = {}
@@ -80,7 +96,9 @@ def encode_version(
         shards[file] = data
         shard_entries.append(ShardEntry(file=file, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data)))
         tensor_entries.extend(
-            TensorEntry(name=s.spec.name, shape=s.spec.shape, dtype=s.spec.dtype, shard=file) for s in group.slots
+            TensorEntry(name=s.spec.name, shape=s.spec.shape, dtype=s.spec.dtype, shard=file,
+                        sha256=(checksums or {}).get(s.spec.name) or tensor_sha256(contents[s.spec.name]))
+            for s in group.slots
         )
     manifest = WeightManifest(
         version=version,
@@ -102,7 +120,12 @@ def verify_shard(entry: ShardEntry, data: bytes) -> None:
 
 
 def decode_version(manifest: WeightManifest, shards: Mapping[str, bytes]) -> dict[str, torch.Tensor]:
-    """Verifies every shard, then returns the tensors in manifest order with checked shape and dtype."""
+    """Verifies every shard, then returns the tensors in manifest order with checked shape and dtype.
+
+    A delta version's shards hold changes: learner/delta.py `apply_delta` reads those."""
+    if manifest.kind != "full":
+        raise ShardIntegrityError(f"version {manifest.version} is a delta on version {manifest.base_version}: "
+                                  f"apply it on its chain {manifest.chain} (learner/delta.py)")
     loaded: dict[str, torch.Tensor] = {}
     for entry in manifest.shards:
         if entry.file not in shards:
@@ -130,11 +153,12 @@ def write_version(
     step: int,
     config: Mapping[str, Any],
     max_shard_bytes: int,
+    checksums: Mapping[str, str] | None = None,
 ) -> WeightManifest:
     """Writes the shards and then manifest.json into `directory` (the manifest last, so a
     directory with a manifest is complete)."""
     manifest, shards = encode_version(
-        tensors, version=version, step=step, config=config, max_shard_bytes=max_shard_bytes
+        tensors, version=version, step=step, config=config, max_shard_bytes=max_shard_bytes, checksums=checksums
     )
     directory.mkdir(parents=True, exist_ok=True)
     for file, data in shards.items():

@@ -249,9 +249,14 @@ class LearnerLoop:
     aliases: frozenset[str] = field(init=False)
     """Tied tensors' second names (lm_head.weight): never published, the first name carries them."""
     _event_fetcher: eventref.EventFetcher | None = field(init=False, default=None)
+    stager: publish.VersionStager = field(init=False)
+    """Stages each version full or as a delta on the previous one (learner/publish.py)."""
 
     def __post_init__(self) -> None:
         self.aliases = publish.tied_aliases(self.model)
+        self.stager = publish.VersionStager(self.mc, self.run, snapshot_interval=self.settings.snapshot_interval,
+                                            max_shard_bytes=self.settings.max_shard_bytes,
+                                            zstd_level=self.settings.delta_zstd_level)
 
     @property
     def _fetcher(self) -> eventref.EventFetcher:
@@ -382,10 +387,9 @@ class LearnerLoop:
         if batch_id is not None:
             state.version += 1
         whole = self._weights()
-        tensors = publish.without_aliases(whole, self.aliases)
+        tensors = publish.served_tensors(publish.without_aliases(whole, self.aliases), self.settings.publish_dtype)
         pools = list(self.broadcaster(tensors, state.version)) if self.broadcaster is not None else []
-        staged = publish.stage_version(self.mc, self.run, tensors, version=state.version, step=state.step,
-                                       config=self.model_config, max_shard_bytes=self.settings.max_shard_bytes)
+        staged = self.stager.stage(tensors, version=state.version, step=state.step, config=self.model_config)
         if checkpoint_now:
             self._checkpoint(state, whole)
         metric_values: dict[str, float] = {}
@@ -423,6 +427,7 @@ class LearnerLoop:
             staged, keep_last=self.settings.keep_versions, stale_step=self.settings.stale_step,
             keep_stale=self.settings.keep_stale_versions,
             checkpoint_versions=[v for _, v in checkpoint.list_checkpoints(self.mc, self.run)],
+            chains=self.stager.chains_of(staged),
         )
         deleted = publish.prune_versions(self.mc, self.run, keep)
         if deleted:

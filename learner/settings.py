@@ -7,6 +7,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+PolicyLoss = Literal["ppo", "cispo", "decoupled"]
+ISCorrection = Literal["none", "tis", "icepop"]
+ISLevel = Literal["token", "sequence", "chunk"]
+
 
 class LearnerSettings(BaseModel):
     """Hyperparameters of the learner (AgentRL's 14B five-task config unless noted)."""
@@ -38,6 +42,20 @@ class LearnerSettings(BaseModel):
     """Logits are divided by the sampling temperature before log-softmax, AgentRL's 0.8."""
     entropy_coef: float = Field(0.0, ge=0)
     """Entropy bonus coefficient, AgentRL's 0."""
+    policy_loss: PolicyLoss = "ppo"
+    """The policy objective (formulas in learner/loss.py and ARCHITECTURE.md): "ppo", AgentRL's dual-clip PPO;
+    "cispo", MiniMax-M1's clipped stop-gradient weight on A * log pi; "decoupled", AReaL's PPO around the
+    learner's recomputed log-probs weighted by their ratio to the rollout's."""
+    is_correction: ISCorrection = "none"
+    """Off-policy correction of the rollout/learner gap: "none" (AgentRL); "tis", truncated importance sampling,
+    weight min(rho, is_cap) (Yao et al. 2025); "icepop", tokens whose rho leaves [1/is_cap, is_cap] masked
+    (Ling Team 2025). rho = recomputed / rollout probability."""
+    is_level: ISLevel = "token"
+    """Granularity of the ratios: "token" (AgentRL); "sequence", their geometric mean over the sequence (ROLL's
+    geometric); "chunk", over each assistant turn, a contiguous run of loss-mask 1s (ROLL's IPA)."""
+    is_cap: float = Field(2.0, gt=1)
+    """C of tis (weight <= C) and icepop (kept where 1/C <= rho <= C): the TIS blog's C = 2 (IcePop's band is
+    a setting of its own there; here it is [1/C, C])."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm, AgentRL's (verl's) 1.0."""
     max_tokens_per_micro_batch: int = Field(16384, gt=0)
@@ -65,6 +83,11 @@ class LearnerSettings(BaseModel):
     learner takes the RNG states its checkpoint saved instead."""
 
     @property
+    def needs_prox_logprobs(self) -> bool:
+        """Whether the step recomputes the learner's own log-probs before training (decoupled, or a correction)."""
+        return self.policy_loss == "decoupled" or self.is_correction != "none"
+
+    @property
     def bucket_size_bytes(self) -> int:
         """Broadcast bucket size in bytes."""
         return self.bucket_size_mb * 1024 * 1024
@@ -73,3 +96,14 @@ class LearnerSettings(BaseModel):
     def max_shard_bytes(self) -> int:
         """Staged shard size in bytes."""
         return self.max_shard_mb * 1024 * 1024
+
+    # -- delta versions (learner/delta.py, learner/publish.py VersionStager) --
+    snapshot_interval: int = Field(10, ge=1)
+    """A version is staged full every snapshot_interval versions (and at version 0 and after a restart), the
+    others as their change against the previous one; 1: every version full (not in the paper; rollstream's own:
+    an engine that missed the chain replays at most 9 small deltas after the snapshot)."""
+    publish_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The dtype the weights are staged and broadcast in, converted once per version: the engines' serving
+    dtype (bfloat16 where they serve bf16 on GPUs, float32 on CPU engines); None: as trained (float32)."""
+    delta_zstd_level: int = Field(3, ge=1, le=22)
+    """zstd level of a delta's XOR bytes: zstd's own default 3 (not in the paper)."""

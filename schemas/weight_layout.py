@@ -2,7 +2,11 @@
 
 A policy version travels two ways (ARCHITECTURE.md, "Two-speed weight sync"):
 
-- **staged**: safetensors shards plus a JSON manifest (`WeightManifest`) in the object store;
+- **staged**: safetensors shards plus a JSON manifest (`WeightManifest`) in the object store,
+  either the whole version (`kind` "full", a snapshot) or only what changed against the version
+  before it (`kind` "delta", learner/delta.py), which an engine applies on top of the weights it
+  holds; `chain` names the snapshot and every delta after it, so a reader that holds none of
+  them starts from the snapshot;
 - **broadcast**: flat byte buckets over a collective group. Sender and receiver must cut the
   tensors into identical buckets without exchanging anything but the bytes, so the layout is a
   pure function (`plan_buckets`) of the ordered tensor specs and the bucket size. Both sides
@@ -18,8 +22,9 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MANIFEST_FORMAT = "rollstream.weights/1"
 MANIFEST_FILE = "manifest.json"
@@ -137,7 +142,9 @@ class TensorEntry(BaseModel):
     name: str
     shape: tuple[int, ...]
     dtype: str
-    shard: str
+    shard: str = Field(description="The shard holding the tensor (a delta shard: its change, absent when unchanged).")
+    sha256: str | None = Field(None, description="Hex sha256 of the tensor's raw bytes in the version (the "
+                               "result, for a delta); None in manifests written before it was recorded.")
 
 
 class WeightManifest(BaseModel):
@@ -151,6 +158,28 @@ class WeightManifest(BaseModel):
     config: dict = Field(description="The model's Hugging Face config (config.json contents).")
     tensors: tuple[TensorEntry, ...]
     shards: tuple[ShardEntry, ...]
+    kind: Literal["full", "delta"] = Field("full", description="A whole version, or its change against `base_version`.")
+    base_version: int | None = Field(None, description="A delta's base: the version it applies on (version - 1).")
+    chain: tuple[int, ...] = Field((), description="From the newest full snapshot to this version, ascending: "
+                                   "what a reader holding none of them loads, in order. () for a full version.")
+
+    @model_validator(mode="after")
+    def _chain_is_consistent(self) -> WeightManifest:
+        # Readers walk the chain by version number alone, so it must be exactly snapshot..version.
+        if self.kind == "full" and (self.base_version is not None or self.chain not in ((), (self.version,))):
+            raise ValueError(f"full version {self.version} names a base or a chain")
+        if self.kind == "delta":
+            if self.base_version != self.version - 1:
+                raise ValueError(f"delta version {self.version} must apply on version {self.version - 1}, "
+                                 f"not {self.base_version}")
+            if len(self.chain) < 2 or self.chain != tuple(range(self.chain[0], self.version + 1)):
+                raise ValueError(f"delta version {self.version}: chain {self.chain} is not snapshot..{self.version}")
+        return self
+
+    @property
+    def snapshot_version(self) -> int:
+        """The full version this one is built on (itself when full)."""
+        return self.chain[0] if self.chain else self.version
 
     def specs(self) -> list[TensorSpec]:
         """The tensor specs in manifest order: the input of `plan_buckets` on both sides."""

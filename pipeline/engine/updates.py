@@ -8,6 +8,15 @@ writing it; a mismatch raises `ShardIntegrityError` and nothing reaches the engi
 worker verifies the directory once more when it reads it (learner/manifest.py `read_version`),
 so a shard corrupted on local disk is refused too.
 
+A delta version (learner/delta.py) is rebuilt here, before the engine sees it: on top of the
+version this engine last downloaded (the supervisor keeps that directory beside the new one) when
+it is in the version's chain, else from the chain's full snapshot in MinIO (an engine that holds
+nothing, was loaded by broadcast, restarted, or is too far behind), then every delta of the chain
+in order. Each result tensor must have the sha256 its manifest names, or the version is refused
+(`ShardIntegrityError`, the same refusal as a corrupted shard) and the engine keeps serving what it
+had; a local base that fails its checks is dropped for the snapshot path first. The rebuilt
+version is written as a full version directory, which the worker loads as any other.
+
 Fast path: the learner is rank 0 of a dedicated group, each engine worker one more rank.
 vLLM owns the default torch.distributed group inside its workers (and torchrun owns it in the
 learner), so the weight-sync group is a *stateless* group (vLLM's
@@ -33,12 +42,17 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import torch
 import torch.distributed as dist
 from minio import Minio
 
-from learner.manifest import ShardIntegrityError, verify_shard
+from learner.delta import apply_delta, catch_up_plan
+from learner.manifest import ShardIntegrityError, decode_version, read_version, verify_shard, write_version
 from schemas import objectstore
 from schemas.weight_layout import MANIFEST_FILE, TensorSpec, WeightManifest
+
+# Shard size of a version directory rebuilt from a delta chain (local disk only: one shard is fine).
+REBUILT_SHARD_BYTES = 4 * 1024**3
 
 
 def should_load(pool: str, version: int, loaded_version: int, stale_step: int) -> bool:
@@ -60,23 +74,102 @@ def newest_to_load(pool: str, versions: Sequence[int], loaded_version: int, stal
 def download_version(mc: Minio, event: dict[str, Any], directory: Path) -> WeightManifest:
     """Downloads the version of a `weight_version` event into `directory`, verifying every shard
     against the manifest before writing it; the manifest is written last (a directory with a
-    manifest is complete). Raises ShardIntegrityError on any mismatch."""
+    manifest is complete). A delta version is rebuilt on its chain first (module docstring), from
+    the newest version directory beside `directory` that is in its chain, if any. Raises
+    ShardIntegrityError on any mismatch."""
     bucket, manifest_key = objectstore.parse_uri(event["manifest_uri"])
     manifest = WeightManifest.from_json(objectstore.get_bytes(mc, bucket, manifest_key))
     if manifest.version != event["version"]:
         raise ShardIntegrityError(f"manifest {event['manifest_uri']} is version {manifest.version}, "
                                   f"the event says {event['version']}")
     announced = {objectstore.parse_uri(s["uri"])[1].rsplit("/", 1)[-1]: s["sha256"] for s in event["shards"]}
-    prefix = manifest_key.rsplit("/", 1)[0] + "/" if "/" in manifest_key else ""
-    directory.mkdir(parents=True, exist_ok=True)
     for entry in manifest.shards:
         if entry.file in announced and announced[entry.file] != entry.sha256:
             raise ShardIntegrityError(f"shard {entry.file}: the event's sha256 differs from the manifest's")
+    if manifest.kind == "delta":
+        tensors, checksums = rebuild_version(mc, bucket, _run_prefix(manifest_key), manifest,
+                                             held_versions(directory.parent, exclude=directory))
+        return write_version(directory, tensors, version=manifest.version, step=manifest.step, config=manifest.config,
+                             max_shard_bytes=REBUILT_SHARD_BYTES, checksums=checksums)
+    prefix = manifest_key.rsplit("/", 1)[0] + "/" if "/" in manifest_key else ""
+    directory.mkdir(parents=True, exist_ok=True)
+    for entry in manifest.shards:
         data = objectstore.get_bytes(mc, bucket, prefix + entry.file)
         verify_shard(entry, data)
         (directory / entry.file).write_bytes(data)
     (directory / MANIFEST_FILE).write_bytes(manifest.to_json())
     return manifest
+
+
+def _run_prefix(manifest_key: str) -> str:
+    """<run>/v000005/manifest.json -> <run>/"""
+    parts = manifest_key.rsplit("/", 2)
+    return parts[0] + "/" if len(parts) == 3 else ""
+
+
+def held_versions(root: Path, *, exclude: Path | None = None) -> dict[int, Path]:
+    """The complete version directories under `root` (those with a manifest), by version."""
+    found = {}
+    for manifest_path in root.glob(f"v*/{MANIFEST_FILE}"):
+        if exclude is not None and manifest_path.parent == exclude:
+            continue
+        try:
+            found[WeightManifest.from_json(manifest_path.read_bytes()).version] = manifest_path.parent
+        except (OSError, ValueError):  # unreadable: as if absent
+            continue
+    return found
+
+
+def _fetch_shards(mc: Minio, bucket: str, prefix: str, manifest: WeightManifest) -> dict[str, bytes]:
+    shards = {}
+    for entry in manifest.shards:
+        data = objectstore.get_bytes(mc, bucket, prefix + entry.file)
+        verify_shard(entry, data)
+        shards[entry.file] = data
+    return shards
+
+
+def _fetch_manifest(mc: Minio, bucket: str, run_prefix: str, version: int) -> tuple[WeightManifest, str]:
+    prefix = f"{run_prefix}v{version:06d}/"
+    manifest = WeightManifest.from_json(objectstore.get_bytes(mc, bucket, prefix + MANIFEST_FILE))
+    if manifest.version != version:
+        raise ShardIntegrityError(f"{prefix}{MANIFEST_FILE} is version {manifest.version}, expected {version}")
+    return manifest, prefix
+
+
+def rebuild_version(mc: Minio, bucket: str, run_prefix: str, manifest: WeightManifest,
+                    held: dict[int, Path]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors (and their sha256) of the delta version `manifest`, built on the newest `held`
+    version directory of its chain, or on its snapshot from the store when none is (or when the
+    held one fails a check). Raises ShardIntegrityError when the store's chain does not verify."""
+    local = max((v for v in held if v in manifest.chain and v < manifest.version), default=None)
+    for base in ([local] if local is not None else []) + [None]:
+        start, deltas = catch_up_plan(manifest.chain, base)
+        try:
+            if start is None:
+                base_manifest, tensors = read_version(held[base])
+            else:
+                base_manifest, prefix = _fetch_manifest(mc, bucket, run_prefix, start)
+                if base_manifest.kind != "full":
+                    raise ShardIntegrityError(f"version {start}, the snapshot of chain {manifest.chain}, is a delta")
+                tensors = decode_version(base_manifest, _fetch_shards(mc, bucket, prefix, base_manifest))
+            checksums = {t.name: t.sha256 for t in base_manifest.tensors if t.sha256 is not None}
+            for version in deltas:
+                if version == manifest.version:
+                    link, prefix = manifest, f"{run_prefix}v{version:06d}/"
+                else:
+                    link, prefix = _fetch_manifest(mc, bucket, run_prefix, version)
+                if link.kind != "delta" or link.base_version != version - 1:
+                    raise ShardIntegrityError(f"version {version} of chain {manifest.chain} is not a delta on "
+                                              f"version {version - 1}")
+                tensors, checksums = apply_delta(tensors, link, _fetch_shards(mc, bucket, prefix, link),
+                                                 base_checksums=checksums)
+            return tensors, checksums
+        except ShardIntegrityError:
+            if start is not None:
+                raise
+            # The local copy no longer verifies (or was another chain's): the snapshot path decides.
+    raise AssertionError("unreachable: the snapshot path returns or raises")
 
 
 def manifest_digest(manifest: WeightManifest) -> str:

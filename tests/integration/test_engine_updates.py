@@ -35,6 +35,7 @@ from typer.testing import CliRunner
 
 from env_workers.engine_client import WEIGHT_VERSION_HEADER, completion_request
 from learner.manifest import ShardIntegrityError, specs_of, write_version
+from learner.publish import VersionStager, weight_version_event
 from pipeline.cli.engine import app as engine_app
 from pipeline.engine.heartbeat import parse_queue_metrics
 from pipeline.engine.launch import EngineProcess, free_port
@@ -301,7 +302,48 @@ def test_corrupted_shard_is_refused_and_the_old_version_stays_loaded(engine, inf
     assert _engine_greedy(engine, PROMPT, 24) == (_torch_greedy(engine, engine.weights[2], PROMPT, 24), 2)
 
 
+def test_a_delta_chain_is_rebuilt_from_its_snapshot_then_applied_on_the_held_version_and_a_corrupted_delta_refused(
+        engine, infra):
+    # The learner's stager: version 4 a full snapshot, 5..8 deltas. The engine holds an older
+    # version (not in the chain), so version 6 comes from snapshot 4 then deltas 5 and 6; version 7
+    # is then applied on the version 6 it holds.
+    mc = objectstore.client(infra.object_store)
+    config = json.loads((engine.model_dir / "config.json").read_text())
+    stager = VersionStager(mc, engine.run, snapshot_interval=100, max_shard_bytes=MAX_SHARD_BYTES, zstd_level=3)
+    generator = torch.Generator().manual_seed(4)
+    chain = {4: _random_weights(engine, seed=4)}
+    events = {}
+    for version in range(4, 9):
+        if version > 4:
+            chain[version] = {n: t + 0.02 * torch.randn(t.shape, generator=generator) for n, t in chain[version - 1].items()}
+        staged = stager.stage(chain[version], version=version, step=version, config=config)
+        assert staged.manifest.kind == ("full" if version == 4 else "delta")
+        events[version] = weight_version_event(staged, batch_id=None, broadcast_pools=[],
+                                               published_at_ms=int(time.time() * 1000))
+    assert _state(engine)["version"] < 4
+
+    for version in (6, 7):
+        sent = time.monotonic()
+        _announce(infra, events[version])
+        _wait_for(lambda v=version: _state(engine)["version"] == v, 60, f"version {version} to be loaded")
+        print(f"\ndelta update to version {version} (event sent -> version served): "
+              f"{time.monotonic() - sent:.2f} s", file=sys.stderr)
+        engine.weights[version] = chain[version]
+        assert _engine_greedy(engine, PROMPT, 24) == (_torch_greedy(engine, chain[version], PROMPT, 24), version)
+
+    # A delta whose bytes were damaged in the store: refused, version 7 keeps being served.
+    bucket, key = objectstore.parse_uri(events[8]["shards"][0]["uri"])
+    data = bytearray(objectstore.get_bytes(mc, bucket, key))
+    data[len(data) // 2] ^= 0xFF
+    objectstore.put_bytes(mc, bucket, key, bytes(data))
+    _announce(infra, events[8])
+    beat = _heartbeat(engine, lambda b: "version 8 refused" in b["detail"], 30)
+    assert "sha256" in beat["detail"] and beat["loaded_version"] == 7 and beat["healthy"]
+    assert _engine_greedy(engine, PROMPT, 24) == (_torch_greedy(engine, chain[7], PROMPT, 24), 7)
+
+
 def test_engine_that_stops_answering_is_marked_unhealthy_within_seconds(engine):
+    serving = _state(engine)["version"]
     server = psutil.Process(engine.process.pid).children()[0]  # vLLM's API server
     server.suspend()
     try:
@@ -312,8 +354,8 @@ def test_engine_that_stops_answering_is_marked_unhealthy_within_seconds(engine):
         server.resume()
     print(f"\nunanswering engine flagged unhealthy after {flagged_s:.1f} s", file=sys.stderr)
     assert flagged_s < 3 * HEARTBEAT_S + 2 * 2.0 + 2  # heartbeat period + probe timeout, with slack
-    assert "probe failed" in beat["detail"] and beat["loaded_version"] == 2
-    assert _heartbeat(engine, lambda b: b["healthy"], 20)["loaded_version"] == 2
+    assert "probe failed" in beat["detail"] and beat["loaded_version"] == serving
+    assert _heartbeat(engine, lambda b: b["healthy"], 20)["loaded_version"] == serving
 
 
 def test_a_join_whose_rendezvous_never_forms_gives_up_within_its_timeout_and_the_engine_serves_again(engine):

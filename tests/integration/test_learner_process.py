@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -15,16 +16,16 @@ from confluent_kafka import Consumer, TopicPartition
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from learner import publish
-from learner.manifest import decode_version
+from learner.manifest import read_version
 from learner.process import LearnerLoop, ReferenceMismatch, ResumeError, batch_items
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
+from pipeline.engine.updates import download_version
 from pipeline.policy.loading import load_policy
 from schemas import arrays, eventref, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.eventref import EventFetcher, EventMissing
 from streams.aggregator_agent import without_arrays
-from schemas.weight_layout import WeightManifest
 
 pytestmark = pytest.mark.integration
 
@@ -84,13 +85,11 @@ def weight_events(infra, run: str, expected: int, timeout: float = 60.0) -> list
 
 
 def staged_tensors(mc, event: dict) -> dict[str, torch.Tensor]:
-    """Downloads a version's manifest and shards and verifies every sha256."""
-    manifest = WeightManifest.from_json(objectstore.get_bytes(mc, *objectstore.parse_uri(event["manifest_uri"])))
-    shards = {}
-    for record in event["shards"]:
-        bucket, key = objectstore.parse_uri(record["uri"])
-        shards[key.rsplit("/", 1)[1]] = objectstore.get_bytes(mc, bucket, key)
-    return decode_version(manifest, shards)
+    """Downloads a version as an engine does, verifying every sha256 (a delta version is rebuilt on
+    its chain, every result tensor checked; pipeline/engine/updates.py)."""
+    with tempfile.TemporaryDirectory(prefix="staged-") as tmp:
+        download_version(mc, event, Path(tmp) / f"v{event['version']:06d}")
+        return read_version(Path(tmp) / f"v{event['version']:06d}")[1]
 
 
 def make_loop(infra, run: str, model_dir: Path, settings: LearnerSettings = SETTINGS, **loop) -> LearnerLoop:
@@ -116,7 +115,7 @@ def test_learner_publishes_one_verified_version_per_batch_and_skips_repeats(infr
     metrics_consumer = EventConsumer(infra.kafka, group_id=f"check-{uuid.uuid4().hex}", topic_names=[])
     metrics_consumer.assign({topics.METRICS: metrics_consumer.end_offsets(topics.METRICS)})
     settings = LearnerSettings(**{**SETTINGS.model_dump(), "keep_versions": 2, "stale_step": 2,
-                                  "keep_stale_versions": 1, "poll_timeout_s": 0.2})
+                                  "keep_stale_versions": 1, "poll_timeout_s": 0.2, "snapshot_interval": 2})
     loop = make_loop(infra, run, model_dir, settings, max_steps=4, idle_exit_s=30)
     state = loop.loop(loop.start(resume=False))
 
@@ -131,7 +130,9 @@ def test_learner_publishes_one_verified_version_per_batch_and_skips_repeats(infr
     assert "lm_head.weight" not in newest and "model.embed_tokens.weight" in newest
     for name, tensor in loop.model.state_dict().items():
         assert torch.equal(newest[name.replace("lm_head.", "model.embed_tokens.")], tensor), name
-    # retention: the 2 newest, the newest multiple of stale_step (4), and the checkpoints' versions (2, 4)
+    # retention: the 2 newest, the newest multiple of stale_step (4), the checkpoints' versions (2, 4),
+    # and the chain each is built on (3 is a delta on the snapshot 2; 0, 2 and 4 are full)
+    assert [e["shards"][0]["uri"].rsplit("/", 1)[1][:5] for e in events] == ["model", "delta", "model", "delta", "model"]
     assert publish.staged_versions(mc, run) == [2, 3, 4]
     # every batch offset, the duplicate and the other run's included, is committed
     raw = Consumer(infra.kafka.as_confluent(**{"group.id": f"learner-{run}"}))

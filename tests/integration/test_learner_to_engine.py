@@ -25,13 +25,13 @@ from env_workers.engine_client import (
     completion_request,
     parse_completion,
 )
-from learner.manifest import decode_version
+from learner.manifest import read_version
 from pipeline.engine.launch import free_port
+from pipeline.engine.updates import download_version
 from pipeline.policy.model_init import PolicyModelSettings, build_tokenizer, init_model
 from schemas import arrays, objectstore, samples, topics
 from schemas.bus import EventConsumer, EventProducer
 from schemas.template import template_fingerprint
-from schemas.weight_layout import WeightManifest
 
 pytestmark = pytest.mark.integration
 
@@ -73,12 +73,11 @@ def _weights_events(infra, run: str, count: int, timeout_s: float = 60) -> list[
     return found
 
 
-def _published(infra, event: dict) -> dict[str, torch.Tensor]:
-    mc = objectstore.client(infra.object_store)
-    manifest = WeightManifest.from_json(objectstore.get_bytes(mc, *objectstore.parse_uri(event["manifest_uri"])))
-    shards = {objectstore.parse_uri(s["uri"])[1].rsplit("/", 1)[1]: objectstore.get_bytes(mc, *objectstore.parse_uri(s["uri"]))
-              for s in event["shards"]}
-    return decode_version(manifest, shards)
+def _published(infra, event: dict, directory: Path) -> dict[str, torch.Tensor]:
+    """The weights a `weights` event announces, as an engine downloads them (a delta version is
+    rebuilt on its chain, every tensor checked against its sha256)."""
+    download_version(objectstore.client(infra.object_store), event, directory)
+    return read_version(directory)[1]
 
 
 def _torch_model(model_dir: Path, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -136,7 +135,9 @@ def test_each_version_reaches_the_engine_by_broadcast_or_from_minio_and_matches_
         assert out["version"] == 1
         events = _weights_events(infra, run, 2)
         assert [(e["version"], e["broadcast_pools"]) for e in events] == [(0, ["current"]), (1, ["current"])]
-        model = _torch_model(model_dir, _published(infra, events[1]))
+        # Staged as a delta on version 0 (learner.snapshot_interval): the chain is what MinIO holds.
+        assert all("/delta-" in s["uri"] for s in events[1]["shards"])
+        model = _torch_model(model_dir, _published(infra, events[1], tmp_path / "v1"))
         greedy, _, version = _engine(engine.url, model_dir, 16, 0.0)
         assert version == 1
         assert greedy == _torch_greedy(model, 16)
@@ -155,7 +156,7 @@ def test_each_version_reaches_the_engine_by_broadcast_or_from_minio_and_matches_
         while httpx.get(f"{engine.url}/rollstream/state", timeout=5).json()["version"] != 2:
             assert time.monotonic() < deadline, f"engine did not load version 2 from MinIO:\n{engine.log_tail()}"
             time.sleep(0.5)
-        model = _torch_model(model_dir, _published(infra, events[2]))
+        model = _torch_model(model_dir, _published(infra, events[2], tmp_path / "v2"))
         greedy2, _, version = _engine(engine.url, model_dir, 16, 0.0)
         assert version == 2
         assert greedy2 == _torch_greedy(model, 16)

@@ -39,3 +39,15 @@ def test_keeping_no_version_is_refused():
 
 def test_versions_live_under_the_run_with_six_digit_numbers():
     assert version_prefix("r1", 7) == "r1/v000007/"
+
+
+def test_every_version_a_kept_delta_is_built_on_is_kept():
+    # Snapshots every 10 versions: 57 is a delta on 50..56, so an engine holding nothing can load it.
+    chains = {v: tuple(range(v - v % 10, v + 1)) for v in range(0, 61) if v % 10}
+    kept = keep(range(0, 58), chains=chains)
+    assert kept == {55, 56, 57, 50, 51, 52, 53, 54, 25, 20, 21, 22, 23, 24}
+
+
+def test_a_full_version_keeps_nothing_else_and_a_chain_never_resurrects_a_pruned_version():
+    assert keep(range(40, 43), chains={41: (40, 41), 42: (40, 41, 42)}) == {40, 41, 42}
+    assert keep(range(45, 48), stale_step=1000, chains={47: tuple(range(40, 48))}) == {45, 46, 47}
