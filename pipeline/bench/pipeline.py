@@ -2,18 +2,26 @@
 invocation on the real stack, side by side, against the bound perfect overlap of its stages would reach.
 
 1. **rollout alone** — fresh engines, the learner held stopped (SIGSTOP) from its start until enough
-   batches are cut, every group the measurement needs let out at once: the stage's rate with the
+   groups are ready, every group the measurement needs let out at once: the stage's rate with the
    learner idle, at least as many rollouts at a time as the asynchronous mode keeps in flight;
-2. **synchronous** — the standard RLVR loop: the dispatcher lets out one batch of groups, waits for
+2. **learner alone** — the asynchronous mode's layout (a current and a stale engine, the stale pool
+   broadcast every stale_step-th version) and warm-up, with one batch in flight: each batch is
+   batch_size groups, as the asynchronous mode's are, and the engines are idle while the learner
+   trains: its steps give the learner's rate alone, with every broadcast the asynchronous mode makes;
+3. **synchronous** — the standard RLVR loop: the dispatcher lets out one batch of groups, waits for
    the slowest trajectory, the learner trains and broadcasts, and only then is the next batch let
    out (`mix.max_in_flight_groups` = one batch; every engine in the current pool, staleness 0);
-   its training phases, with the engines idle, give the learner's rate alone;
-3. **asynchronous** — the normal pipeline: two batches in flight, a current and a stale engine
+4. **asynchronous** — the normal pipeline: two batches in flight, a current and a stale engine
    (the same number of engines), rollouts going on while the learner trains.
 
-Each run starts its own engines, so each is measured warm: the modes after `--warmup-steps` learner
-steps, the rollout run after the cuts that end the rollouts begun on cold engines (the method is
-in pipeline/bench/pipeline_logic.py, which computes every figure from the runs' replayed events).
+Each run starts its own engines, so each is measured warm: the learner-alone run and the modes after
+`--warmup-steps` learner steps, the rollout run after the groups that end the rollouts begun on cold
+engines (the method is in pipeline/bench/pipeline_logic.py, which computes every figure from the
+runs' replayed events). Not the learner of the rollout run with its dispatcher held instead of a run
+of its own: the batcher takes every group ready after the hold into one batch, and that learner then
+waits for ever (tests/unit/test_batcher_held.py). Whenever async / bound exceeds 1 a warning says
+whether by the noise of the stages alone or beyond it (the bound then does not hold); the figure is
+never clamped.
 
 The workload (configs/pipeline.yaml): calculator and DB tasks on a small random policy, turn counts
 from 1 to max_turns as the policy ends them, and a log-normal environment step latency
@@ -33,12 +41,15 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pipeline.bench.pipeline_logic import (
     bound,
+    bound_warnings,
     comparison,
     engine_intervals,
+    layout_differences,
     learner_alone,
     learner_intervals,
     merged,
@@ -53,6 +64,7 @@ from schemas import topics
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pipeline.yaml"
 MODES = ("sync", "async")
 ALONE = "rollout"
+LEARNER = "learner"
 READ = (topics.TASKS_REQUESTED, topics.STEPS, topics.GROUPS, topics.BATCHES, topics.WEIGHTS, topics.METRICS)
 POLL_S = 3.0
 HOLD_LIMIT_S = 900.0
@@ -71,7 +83,8 @@ def rollout_groups(cfg: RollstreamConfig, steps: int) -> tuple[int, int]:
 
 def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int) -> RollstreamConfig:
     """The run of one mode: the same workload and engine count, the pipeline's shape apart. The rollout
-    run lets out every group its measurement needs at once and trains one step after its hold."""
+    run lets out every group its measurement needs at once and trains one step after its hold; the
+    learner-alone run is the asynchronous mode's with one batch in flight."""
     data = base.as_data()
     engines = base.engines.current + base.engines.stale
     data["max_steps"] = warmup_steps + steps
@@ -83,6 +96,8 @@ def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int
         skip, measured = rollout_groups(base, steps)
         data["max_steps"] = 1
         data["mix"]["max_in_flight_groups"] = 2 * skip + measured
+    elif mode == LEARNER:
+        data["mix"]["max_in_flight_groups"] = base.streams.batch_size
     else:
         data["mix"]["max_in_flight_groups"] = None  # the dispatcher's default: two batches
     return RollstreamConfig(**data)
@@ -173,34 +188,52 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
         f"{skip} groups of warm-up, {measured} measured")
     hold = LearnerHold(cfg, f"{run}-{ALONE}", 2 * skip + measured, say)
     events = _events(cfg, alone_cfg, f"{run}-{ALONE}", ALONE, console, hold.tick)
-    rollout = rollout_alone(groups=events[topics.GROUPS], action_tokens=action_tokens, skip=skip, measured=measured)
+    rollout = rollout_alone(groups=events[topics.GROUPS], action_tokens=action_tokens, skip=skip, measured=measured,
+                            per_batch=cfg.streams.batch_size)
     say(f"{ALONE}: {rollout['rollout_tokens_per_s']:.1f} trained tokens/s alone over {rollout['rollout_window_s']:.0f} s")
+
+    def learner_kwargs(events: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+        return dict(batches=events[topics.BATCHES], weights=events[topics.WEIGHTS], metrics=events[topics.METRICS],
+                    action_tokens=action_tokens, warmup_steps=warmup_steps)
+
+    learner_cfg = mode_config(cfg, LEARNER, steps, warmup_steps)
+    say(f"{LEARNER}: run {run}-{LEARNER}, {warmup_steps} + {steps} learner steps, the asynchronous layout "
+        f"(engines current {learner_cfg.engines.current} stale {learner_cfg.engines.stale}), one batch in flight")
+    learner_events = _events(cfg, learner_cfg, f"{run}-{LEARNER}", LEARNER, console)
+    learner = learner_alone(**learner_kwargs(learner_events))
+    say(f"{LEARNER}: {learner['learner_tokens_per_s']:.1f} trained tokens/s alone over {learner['learner_steps']} steps")
 
     figures: dict[str, dict[str, Any]] = {}
     timelines: dict[str, dict[str, Any]] = {}
-    learner: dict[str, float] = {}
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for mode in MODES:
         mode_cfg = mode_config(cfg, mode, steps, warmup_steps)
         say(f"{mode}: run {run}-{mode}, {warmup_steps} + {steps} learner steps, engines current "
             f"{mode_cfg.engines.current} stale {mode_cfg.engines.stale}, at most "
             f"{mode_cfg.mix.max_in_flight_groups or 'two batches of'} groups in flight")
-        events = _events(cfg, mode_cfg, f"{run}-{mode}", mode, console)
-        kwargs = dict(batches=events[topics.BATCHES], weights=events[topics.WEIGHTS], metrics=events[topics.METRICS],
-                      action_tokens=action_tokens, warmup_steps=warmup_steps)
+        events = runs[mode] = _events(cfg, mode_cfg, f"{run}-{mode}", mode, console)
+        kwargs = learner_kwargs(events)
         figures[mode] = mode_figures(requested=[r for r in events[topics.TASKS_REQUESTED] if not r["validation"]],
                                      steps=events[topics.STEPS], **kwargs)
-        if mode == "sync":
-            learner = learner_alone(**kwargs)
+        # the learner's rate in the mode's own steps (beside the rollouts in the asynchronous mode)
+        figures[mode]["learner_step_tokens_per_s"] = learner_alone(**kwargs)["learner_tokens_per_s"]
         timelines[mode] = {"start_ms": figures[mode]["start_ms"], "end_ms": figures[mode]["end_ms"],
                            "engines": engine_intervals(events[topics.STEPS]),
                            "learner": list(learner_intervals(events[topics.METRICS]).values())}
         say(f"{mode}: {figures[mode]['trained_tokens_per_s']:.1f} trained tokens/s over {figures[mode]['wall_s']:.0f} s "
             f"after the warm-up")
     alone = bound(rollout, learner)
+    result = comparison(figures["sync"], figures["async"], alone)
+    layout = layout_differences({"weights": learner_events[topics.WEIGHTS], "batches": learner_events[topics.BATCHES]},
+                                {"weights": runs["async"][topics.WEIGHTS], "batches": runs["async"][topics.BATCHES]},
+                                warmup_steps)
+    warnings = bound_warnings(result)
+    for line in layout + warnings:
+        say(f"[yellow]warning: {escape(line)}[/yellow]")
     out_dir = cfg.run_dir(run)
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(timelines, out_dir / "timeline.png")
-    return {"run": run, **comparison(figures["sync"], figures["async"], alone), "modes": figures,
+    return {"run": run, **result, "bound_warnings": warnings, "layout_differences": layout, "modes": figures,
             "stages_alone": alone, "figure": str(out_dir / "timeline.png"),
             "workload": {"steps": steps, "warmup_steps": warmup_steps, "families": cfg.mix.families,
                          "group_size": cfg.streams.group_size, "batch_size": cfg.streams.batch_size,
@@ -216,14 +249,16 @@ def print_result(result: dict[str, Any], console: Console) -> None:
         table.add_column(mode, justify="right")
     rows = [("trained tokens/s", "trained_tokens_per_s", "{:.1f}"), ("trajectories/s", "trajectories_per_s", "{:.2f}"),
             ("engine busy", "engine_busy", "{:.0%}"), ("learner busy", "learner_busy", "{:.0%}"),
+            ("learner tokens/s in its steps", "learner_step_tokens_per_s", "{:.1f}"),
             ("mean staleness (versions)", "mean_staleness", "{:.2f}"), ("wall (s)", "wall_s", "{:.0f}")]
     for label, key, fmt in rows:
         table.add_row(label, *(fmt.format(result["modes"][m][key]) for m in MODES))
     console.print(table)
     alone = result["stages_alone"]
     console.print(f"stages alone: rollout {alone['rollout_tokens_per_s']:.1f} (learner held), learner "
-                  f"{alone['learner_tokens_per_s']:.1f} (synchronous steps) trained tokens/s; bound "
-                  f"{alone['bound_tokens_per_s']:.1f}")
+                  f"{alone['learner_tokens_per_s']:.1f} (the asynchronous layout, one batch in flight) trained "
+                  f"tokens/s; bound {alone['bound_tokens_per_s']:.1f} (noise allows async up to "
+                  f"{result['of_bound_noise_limit'] or 0:.0%} of it)")
     ratio, of_bound = result["ratio"], result["of_bound"]
     console.print(f"async / sync: {ratio:.2f}x; async / bound: {of_bound:.0%} in tokens, "
                   f"{result['of_bound_trajectories']:.0%} in trajectories; timeline {result['figure']}"
@@ -235,10 +270,10 @@ def bench_pipeline(
     steps: int = typer.Option(8, "--steps", min=1, help="Measured learner steps per mode."),
     warmup_steps: int = typer.Option(1, "--warmup-steps", min=1, help="Learner steps per mode before its "
                                      "measured window (fresh engines compile and warm their caches)."),
-    run: str = typer.Option("", "--run", help="Run id prefix (default: pipeline-<time>); the modes add -sync, -async."),
+    run: str = typer.Option("", "--run", help="Run id prefix (default: pipeline-<time>); the runs add -rollout, -learner, -sync, -async."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (ratio: async / sync)."),
 ) -> None:
-    """Measure the rollout stage alone, then train the same workload synchronously and asynchronously;
+    """Measure the rollout and learner stages alone, then train the same workload synchronously and asynchronously;
     print each mode's warm throughput, busy fractions and staleness, the ratio, and the share of the
     bound set by the slower stage alone.
 
