@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import typer
 
-from pipeline.cli.toolkit import App, fail
+from pipeline.cli.toolkit import App, fail, read_json_lists
 from streams.advantages import batch_advantages, grpo_advantages
 from streams.settings import AdvNorm, StdKind, StreamsSettings
 
@@ -22,17 +22,7 @@ _FIELDS = ("rewards", "group_ids", "task_ids", "loss_masks")
 
 
 def _read(path: Path) -> dict[str, list[Any]]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        fail(f"cannot read {path}: {e.strerror}")
-    except json.JSONDecodeError as e:
-        fail(f"{path} is not JSON: {e}")
-    if not isinstance(data, dict):
-        fail(f"{path} must hold one JSON object with {', '.join(_FIELDS)}")
-    missing = [f for f in _FIELDS if not isinstance(data.get(f), list)]
-    if missing:
-        fail(f"{path} lacks the list(s) {', '.join(missing)}")
+    data = read_json_lists(path, _FIELDS)
     lengths = {f: len(data[f]) for f in _FIELDS}
     if len(set(lengths.values())) != 1:
         fail("one entry per trajectory expected, got " + ", ".join(f"{k} {v}" for k, v in lengths.items()))

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from learner.loss import policy_loss
 from learner.settings import ISCorrection, ISLevel, LearnerSettings, PolicyLoss
-from pipeline.cli.toolkit import App, JsonOption, fail
+from pipeline.cli.toolkit import App, JsonOption, fail, read_json_lists
 from pipeline.run.config import validation_message
 
 app = App()
@@ -30,21 +30,7 @@ _DEFAULTS = LearnerSettings()
 
 
 def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except OSError as e:
-        fail(f"cannot read {path}: {e.strerror}")
-    except json.JSONDecodeError as e:
-        fail(f"{path} is not JSON: {e}")
-    if not isinstance(data, dict):
-        fail(f"{path} must hold one JSON object with {', '.join(_ARRAYS)}")
-    unknown = sorted(set(data) - set(_ARRAYS) - set(_OPTIONAL_ARRAYS) - set(_SETTINGS))
-    if unknown:
-        fail(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(_ARRAYS + _OPTIONAL_ARRAYS + _SETTINGS)}")
-    missing = [f for f in _ARRAYS if not isinstance(data.get(f), list)]
-    if missing:
-        fail(f"{path} lacks the list(s) {', '.join(missing)}")
-    return data
+    return read_json_lists(path, _ARRAYS, known=_ARRAYS + _OPTIONAL_ARRAYS + _SETTINGS)
 
 
 def _padded(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, torch.Tensor]:

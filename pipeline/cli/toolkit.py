@@ -10,6 +10,8 @@ the same line, so no command handles them itself.
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -58,6 +60,27 @@ def fail(message: str, code: int = BAD_INPUT) -> NoReturn:
     """Ends the command: `rollstream <command>: message` on stderr and exit `code`."""
     typer.echo(f"{command_name(get_current_context(silent=True))}: {message}", err=True)
     raise typer.Exit(code=code)
+
+
+def read_json_lists(path: Path, required: tuple[str, ...], known: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """One JSON object from `path` holding a list under each `required` key (and, when `known` is given, no
+    key outside it); any other input ends the command in one line (`fail`)."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as e:
+        fail(f"cannot read {path}: {e.strerror}")
+    except json.JSONDecodeError as e:
+        fail(f"{path} is not JSON: {e}")
+    if not isinstance(data, dict):
+        fail(f"{path} must hold one JSON object with {', '.join(required)}")
+    if known is not None:
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            fail(f"unknown key(s) {', '.join(unknown)}; known: {', '.join(known)}")
+    missing = [f for f in required if not isinstance(data.get(f), list)]
+    if missing:
+        fail(f"{path} lacks the list(s) {', '.join(missing)}")
+    return data
 
 
 class Command(TyperCommand):
