@@ -19,7 +19,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 
 from schemas import topics
 from schemas.codec import InvalidEvent, UndecodableEvent, codec
-from schemas.eventref import backoff_s, transient_error
+from schemas.eventref import backoff_s, retrying, transient_error
 from schemas.settings import KafkaSettings
 
 log = logging.getLogger("rollstream.bus")
@@ -221,14 +221,17 @@ class EventConsumer:
 
     def end_offsets(self, topic: str) -> dict[int, int]:
         """High watermark (the offset the next event will get) of every partition of `topic`."""
-        meta = self._consumer.list_topics(topic, timeout=10)
-        return {p: self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10)[1]
+        meta = retrying(lambda: self._consumer.list_topics(topic, timeout=10), f"listing {topic}")
+        return {p: retrying(lambda p=p: self._consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=10),
+                            f"reading the end of {topic}[{p}]")[1]
                 for p in meta.topics[topic].partitions}
 
     def committed(self, topic: str) -> dict[int, int]:
         """The group's committed offset of every partition of `topic` that has one."""
         parts = [TopicPartition(topic, p) for p in self.end_offsets(topic)]
-        return {tp.partition: tp.offset for tp in self._consumer.committed(parts, timeout=10) if tp.offset >= 0}
+        # NOT_COORDINATOR while a new group's coordinator is chosen, or a broker restarting: retried.
+        committed = retrying(lambda: self._consumer.committed(parts, timeout=10), f"reading {self.group_id}'s offsets")
+        return {tp.partition: tp.offset for tp in committed if tp.offset >= 0}
 
     def assign(self, offsets: dict[str, dict[int, int]]) -> None:
         """Reads exactly these partitions from these offsets ({topic: {partition: offset}}),

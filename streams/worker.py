@@ -19,6 +19,7 @@ from faust.worker import Worker
 
 from schemas import topics
 from schemas.bus import EventProducer, create_missing_topics, topic_partitions
+from schemas.eventref import retrying
 from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.app import COMPONENTS, ControlIntake, create_wiring
 from streams.settings import StreamsSettings, WorkerSettings
@@ -34,7 +35,10 @@ def never_committed(consumer: Consumer, topic_names: Iterable[str]) -> list[Topi
     for name in topic_names:
         meta = consumer.list_topics(name, timeout=10).topics[name]
         parts += [TopicPartition(name, p) for p in meta.partitions]
-    if any(tp.offset >= 0 for tp in consumer.committed(parts, timeout=10)):
+    # A group the broker has never seen may answer NOT_COORDINATOR while its coordinator is being
+    # chosen (seen in CI at the start of a run): transient, so retried.
+    committed = retrying(lambda: consumer.committed(parts, timeout=10), "reading a group's committed offsets")
+    if any(tp.offset >= 0 for tp in committed):
         return None
     return parts
 
@@ -48,9 +52,10 @@ def start_at_end(kafka: KafkaSettings, app_id: str, topic_names: Iterable[str] =
         parts = never_committed(consumer, topic_names)
         if parts is None:
             return False
-        ends = [TopicPartition(tp.topic, tp.partition, consumer.get_watermark_offsets(tp, timeout=10)[1])
+        ends = [TopicPartition(tp.topic, tp.partition,
+                               retrying(lambda tp=tp: consumer.get_watermark_offsets(tp, timeout=10), "reading an end offset")[1])
                 for tp in parts]
-        consumer.commit(offsets=ends, asynchronous=False)
+        retrying(lambda: consumer.commit(offsets=ends, asynchronous=False), f"committing the start of {app_id}")
         return True
     finally:
         consumer.close()
@@ -66,7 +71,7 @@ def read_history(consumer: Consumer, parts: list[TopicPartition], timeout_s: flo
     per partition}) and those ends."""
     ends, remaining = [], {}
     for tp in parts:
-        low, high = consumer.get_watermark_offsets(tp, timeout=10)
+        low, high = retrying(lambda tp=tp: consumer.get_watermark_offsets(tp, timeout=10), "reading a control source's offsets")
         ends.append(TopicPartition(tp.topic, tp.partition, high))
         if high > low:
             remaining[(tp.topic, tp.partition)] = high
@@ -117,7 +122,7 @@ def seed_control_intakes(kafka: KafkaSettings, app_id: str, intakes: Iterable[Co
                     for partition in range(intake.partitions):
                         producer.send_raw(intake.target, value, key, partition=partition)
                 sent[intake.name] = len(newest) * intake.partitions
-        consumer.commit(offsets=ends, asynchronous=False)
+        retrying(lambda: consumer.commit(offsets=ends, asynchronous=False), f"committing the seed of {app_id}")
         return sent
     finally:
         consumer.close()
