@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import tempfile
 import time
 import uuid
@@ -41,9 +40,10 @@ from learner.manifest import read_version, tensor_sha256
 from learner.publish import VersionStager, prune_versions, served_tensors, tied_aliases, weight_version_event, without_aliases
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
+from pipeline.bench.baselines import copy_baseline
 from pipeline.bench.learner import synthetic_batch
 from pipeline.bench.rollout import RANDOM_LARGE, engine_for, random_large_checkpoint
-from pipeline.bench.weights_logic import baseline, setting_summary, update_summary, version_row
+from pipeline.bench.weights_logic import setting_summary, update_summary, version_row
 from pipeline.engine.updates import EngineControl, download_version
 from pipeline.policy.model_init import PolicyModelSettings, init_model
 from pipeline.run.config import load_config
@@ -59,38 +59,6 @@ SEQUENCES = 4  # trajectories per synthetic batch: a real step, kept small for t
 def _fail(message: str) -> None:
     typer.echo(f"rollstream bench weights: {message}", err=True)
     raise typer.Exit(code=2)
-
-
-def copy_baseline(nbytes: int, repeats: int = 5) -> dict[str, Any]:
-    """The machine's copy speed for `nbytes`: one contiguous buffer, warmed (every page touched first),
-    copied in memory, written to a file with fsync and read back with the page cache dropped; best of
-    `repeats` for each."""
-    source = torch.ones(nbytes, dtype=torch.uint8)
-    target = torch.empty_like(source)
-    target.copy_(source)  # warm: the pages exist before the timing
-    copy_s = write_s = read_s = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        target.copy_(source)
-        copy_s = min(copy_s, time.perf_counter() - started)
-    data = source.numpy()
-    with tempfile.TemporaryDirectory(prefix="rollstream-bench-weights-") as tmp:
-        path = Path(tmp) / "version.bin"
-        for _ in range(max(2, repeats // 2)):
-            started = time.perf_counter()
-            with open(path, "wb") as f:
-                f.write(memoryview(data))
-                f.flush()
-                os.fsync(f.fileno())
-            write_s = min(write_s, time.perf_counter() - started)
-            fd = os.open(path, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-            started = time.perf_counter()
-            with open(path, "rb") as f:
-                f.readinto(memoryview(target.numpy()))
-            read_s = min(read_s, time.perf_counter() - started)
-    return baseline(nbytes, copy_s, write_s, read_s)
 
 
 def _late_join(mc, event: dict[str, Any], expected: dict[str, torch.Tensor], work: Path) -> dict[str, Any]:

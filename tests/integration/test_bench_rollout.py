@@ -39,7 +39,7 @@ def test_bench_rollout_publishes_every_turn_and_trajectory_and_updates_the_engin
     assert update["model"] == "default" and update["bytes"] > 0
     # The engine reported the broadcast version, then the staged one.
     assert (update["broadcast"]["version"], update["staged"]["version"]) == (2, 3)
-    for path in ("broadcast", "staged", "memory_copy", "file_read"):
+    for path in ("broadcast", "staged", "memory_copy", "tensor_clone", "file_read"):
         figures = update[path]
         assert figures["seconds"] > 0 and figures["mb_per_s"] > 0, path
     assert update["broadcast"]["bytes"] == update["memory_copy"]["bytes"] == update["bytes"]
