@@ -6,9 +6,10 @@ Our names inside, each client's names only at the edge (`as_confluent`, `as_kafk
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 
 class KafkaSettings(BaseModel):
@@ -83,3 +84,35 @@ class ObjectStoreSettings(BaseModel):
     """Verify the server certificate when secure."""
     region: str | None = None
     """Region, for stores that need one."""
+
+    @model_validator(mode="after")
+    def _no_default_credentials_off_this_host(self) -> ObjectStoreSettings:
+        # A store other processes can reach must not open with a key pair published in this
+        # repository or in MinIO's documentation (issue 28): whoever reaches it could replace a
+        # weight version that engines then serve.
+        host = endpoint_host(self.endpoint)
+        if not loopback(host) and (self.access_key, self.secret_key.get_secret_value()) in DEFAULT_CREDENTIALS:
+            raise ValueError(f"the default credentials ({self.access_key}) are refused for {host}, "
+                             "which is not this host's loopback; set object_store.access_key and secret_key "
+                             "(ROLLSTREAM_OBJECT_STORE__ACCESS_KEY, ROLLSTREAM_OBJECT_STORE__SECRET_KEY)")
+        return self
+
+
+DEFAULT_CREDENTIALS = frozenset({("rollstream", "rollstream-local-secret"), ("minioadmin", "minioadmin")})
+"""Key pairs anyone can read: the local server's (infra/env.sh) and MinIO's own default."""
+
+
+def endpoint_host(endpoint: str) -> str:
+    """The host of a host:port endpoint ("[::1]:9000" gives "::1")."""
+    host = endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 or endpoint.startswith("[") else endpoint
+    return host.strip("[]")
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` names this machine's loopback (localhost, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

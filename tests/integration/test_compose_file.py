@@ -3,6 +3,7 @@ the file is checked with Debian's docker-compose, installed by infra/setup.sh)."
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,9 +15,14 @@ pytestmark = pytest.mark.integration
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def _compose_config(**env: str) -> subprocess.CompletedProcess:
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("MINIO_ROOT_")} | env
+    return subprocess.run(["docker-compose", "-f", str(REPO_ROOT / "docker-compose.yml"), "config"],
+                          capture_output=True, text=True, cwd=REPO_ROOT, env=environment)
+
+
 def _services() -> dict:
-    result = subprocess.run(["docker-compose", "-f", str(REPO_ROOT / "docker-compose.yml"), "config"],
-                            capture_output=True, text=True, cwd=REPO_ROOT)
+    result = _compose_config(MINIO_ROOT_PASSWORD="a-secret-of-the-test")
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)["services"]
 
@@ -53,3 +59,12 @@ def test_compose_builds_minio_at_the_version_the_local_scripts_pin():
     env = (REPO_ROOT / "infra" / "env.sh").read_text()
     pinned = env.split('MINIO_VERSION="${MINIO_VERSION:-', 1)[1].split("}", 1)[0]
     assert f"MINIO_VERSION={pinned}" in (REPO_ROOT / "infra" / "minio.Dockerfile").read_text()
+
+
+def test_compose_refuses_to_start_without_a_minio_secret_of_the_users_own():
+    result = _compose_config()
+    assert result.returncode != 0
+    assert "MINIO_ROOT_PASSWORD" in result.stderr
+    services = _services()
+    assert services["minio"]["environment"]["MINIO_ROOT_PASSWORD"] == "a-secret-of-the-test"
+    assert services["trainer"]["environment"]["ROLLSTREAM_OBJECT_STORE__SECRET_KEY"] == "a-secret-of-the-test"

@@ -13,7 +13,7 @@ def test_environment_overrides_the_yaml_file_which_overrides_defaults(tmp_path, 
     for var in ("KAFKA_HOST", "KAFKA_PORT", "MINIO_HOST", "MINIO_PORT", "MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"):
         monkeypatch.delenv(var, raising=False)
     cfg_file = tmp_path / "run.yaml"
-    cfg_file.write_text("run: from-file\nkafka:\n  bootstrap_servers: file:1\nobject_store:\n  endpoint: file:2\n")
+    cfg_file.write_text("run: from-file\nkafka:\n  bootstrap_servers: file:1\nobject_store:\n  endpoint: file:2\n  access_key: file-user\n")
     monkeypatch.setenv("ROLLSTREAM_KAFKA__BOOTSTRAP_SERVERS", "env:9")
     cfg = load_config(cfg_file)
     assert cfg.run == "from-file"
