@@ -133,7 +133,25 @@ class EnvSettings(BaseModel):
     os_tier_dev_tasks: int = Field(60, ge=1)
     """Generated shell tasks in the os easy-dev split (none is word for word an easy-train task)."""
     os_sandbox: SandboxSettings = SandboxSettings()
-    """The os family's sandbox backend and limits (AgentBench: Docker containers, 30 s per command)."""
+    """The os family's sandbox backend and limits (AgentBench: Docker containers, 30 s per command); the python
+    family runs its code in the same sandboxes, under the same limits and output cut (its own time limit below)."""
+    python_rounds: int = Field(8, ge=1)
+    """Round limit of the python family (no paper default: room for python_max_code_runs runs, retries, the answer)."""
+    python_max_code_runs: int = Field(4, ge=1)
+    """ToRL's C: code runs one trajectory may make; further run_python calls are refused, not run, and the policy
+    must answer without them (ToRL: past C, code is no longer executed). No ToRL value is reproduced here."""
+    python_timeout_s: float = Field(10.0, gt=0)
+    """Wall time of one code run before its processes are killed (no paper default; ToRL leaves it to its sandbox)."""
+    python_unexecuted_code_penalty: bool = False
+    """ToRL's executability penalty, off by default: when on, an answer submitted in an episode none of whose code
+    runs succeeded (exited 0 within the time limit; no run at all counts as none) gets -0.5 added to its reward, so
+    a wrong answer gets -0.5 and a right one 0.5. ToRL adds it to responses holding any non-executable code."""
+    python_seed: int = 7
+    """Seed of the generated python word problems (python_tasks.py; the data README's Random(7) convention)."""
+    python_train_tasks: int = Field(300, ge=1)
+    """Generated word problems in the python train split (no paper default: a few hundred, the issue asks)."""
+    python_dev_tasks: int = Field(50, ge=1)
+    """Generated word problems in the python dev split (none is word for word a train problem)."""
 
     @field_validator("calc_operands", "calc_operations")
     @classmethod

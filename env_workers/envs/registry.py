@@ -18,6 +18,7 @@ FAMILY_MODULES: dict[str, str] = {
     "db": "env_workers.envs.db",
     "kg": "env_workers.envs.kg",
     "os": "env_workers.envs.os_env",
+    "python": "env_workers.envs.python_env",
     "webshop": "env_workers.envs.webshop",
     "alfworld": "env_workers.envs.alfworld",
 }

@@ -3,41 +3,27 @@
 from __future__ import annotations
 
 import asyncio
-import glob
 import json
 import os
 import socket
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
-import docker
 import pytest
+from helpers.sandboxes import dockerd, leftovers  # noqa: F401  (dockerd is a fixture)
 
 from env_workers.envs.base import EnvSettings, Status, assistant_call
 from env_workers.envs.os_env import OsEnvironment, make
 from env_workers.sandbox import SandboxSettings
 from env_workers.sandbox.bwrap import BwrapBackend
-from env_workers.sandbox.docker_backend import LABEL, DockerBackend
+from env_workers.sandbox.docker_backend import DockerBackend
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-DOCKER_HOST = f"unix://{REPO_ROOT / '.run' / 'dockerd' / 'docker.sock'}"
 LIMITS = {"command_timeout_s": 3.0, "disk_bytes": 64 * 1024 * 1024, "max_processes": 64}
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="session")
-def dockerd() -> Iterator[str]:
-    """A private Docker engine (infra/sandbox/dockerd.sh installs docker.io if missing)."""
-    script = REPO_ROOT / "infra" / "sandbox" / "dockerd.sh"
-    was_running = subprocess.run([script, "status"], capture_output=True).returncode == 0
-    subprocess.run([script, "start"], check=True)
-    yield DOCKER_HOST
-    if not was_running:
-        subprocess.run([script, "stop"], check=True)
 
 
 @pytest.fixture(params=["bwrap", "docker"])
@@ -50,21 +36,6 @@ def settings(request: pytest.FixtureRequest) -> SandboxSettings:
 def _sample() -> dict:
     return {"id": "hostile", "description": "say ok", "image": "default", "init": [], "start": None,
             "match": {"answer": "ok", "strip": True}, "check": None, "example": None, "labels": []}
-
-
-def _leftovers(settings: SandboxSettings) -> dict[str, int]:
-    if settings.backend == "docker":
-        client = docker.DockerClient(base_url=settings.docker_host)
-        containers = client.containers.list(all=True, filters={"label": LABEL})
-        client.close()
-        # Bounded writable layers: a tmpfs over each container's layer directory.
-        layers = sum(1 for line in Path("/proc/mounts").read_text().splitlines()
-                     if line.startswith("tmpfs ") and "/overlay2/" in line)
-        return {"containers": len(containers), "layer_mounts": layers}
-    processes = subprocess.run(["ps", "-u", str(settings.uid_base), "-o", "pid="], capture_output=True, text=True)
-    mounts = Path("/proc/mounts").read_text().count("rollstream-os-")
-    return {"processes": len(processes.stdout.split()), "mounts": mounts,
-            "temp_dirs": len(glob.glob("/tmp/rollstream-os-*"))}
 
 
 async def _episode(env: OsEnvironment, commands: list[str]) -> tuple[list[str], Status]:
@@ -115,7 +86,7 @@ def test_fork_bomb_is_contained_and_cleaned_up(settings: SandboxSettings) -> Non
     outputs, status = _run(settings, [":(){ :|:& };:", "echo alive"])
     assert status == Status.COMPLETED
     assert subprocess.run(["true"]).returncode == 0
-    assert all(count == 0 for count in _leftovers(settings).values())
+    assert all(count == 0 for count in leftovers(settings).values())
 
 
 def test_filling_the_disk_hits_the_sandbox_limit(settings: SandboxSettings) -> None:
@@ -133,7 +104,7 @@ def test_writes_anywhere_in_the_root_share_the_disk_limit(settings: SandboxSetti
         "dd if=/dev/zero of=/usr/fill bs=1M count=200 2>&1 | grep -o 'No space left\\|File too large'",
     ])
     assert outputs[0].strip() == "b" and "No space left" in outputs[1] and status == Status.COMPLETED
-    assert all(count == 0 for count in _leftovers(settings).values())
+    assert all(count == 0 for count in leftovers(settings).values())
 
 
 def test_endless_sleep_is_killed_at_the_command_timeout(settings: SandboxSettings) -> None:
@@ -148,7 +119,7 @@ def test_kill_all_and_rm_rf_root_leave_the_host_intact(settings: SandboxSettings
     assert (status == Status.COMPLETED and "back" in outputs[1]) or status == Status.TASK_ERROR
     assert status == Status.COMPLETED or settings.backend == "docker"
     assert Path("/usr/bin/bash").exists() and (REPO_ROOT / "pyproject.toml").exists()
-    assert all(count == 0 for count in _leftovers(settings).values())
+    assert all(count == 0 for count in leftovers(settings).values())
 
 
 def test_32_concurrent_sessions_leave_nothing_behind(settings: SandboxSettings) -> None:
@@ -159,7 +130,7 @@ def test_32_concurrent_sessions_leave_nothing_behind(settings: SandboxSettings) 
     results = asyncio.run(many())
     assert [outputs[0].strip() for outputs, _ in results] == [f"session-{i}" for i in range(32)]
     assert {status for _, status in results} == {Status.COMPLETED}
-    assert all(count == 0 for count in _leftovers(settings).values()), json.dumps(_leftovers(settings))
+    assert all(count == 0 for count in leftovers(settings).values()), json.dumps(leftovers(settings))
 
 
 def test_sessions_of_a_sigkilled_worker_are_swept_by_the_next_backend() -> None:
@@ -175,13 +146,13 @@ def test_sessions_of_a_sigkilled_worker_are_swept_by_the_next_backend() -> None:
          "time.sleep(600)\n"], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "open"
-        assert _leftovers(settings)["temp_dirs"] == 2 and _leftovers(settings)["mounts"] > 0
+        assert leftovers(settings)["temp_dirs"] == 2 and leftovers(settings)["mounts"] > 0
     finally:
         holder.kill()
         holder.wait()
-    assert _leftovers(settings)["temp_dirs"] == 2  # nobody cleaned up after the SIGKILL
+    assert leftovers(settings)["temp_dirs"] == 2  # nobody cleaned up after the SIGKILL
     BwrapBackend(settings)
-    assert all(count == 0 for count in _leftovers(settings).values()), json.dumps(_leftovers(settings))
+    assert all(count == 0 for count in leftovers(settings).values()), json.dumps(leftovers(settings))
     assert not list(Path("/sys/fs/cgroup").glob(f"rollstream-{holder.pid}-*"))
 
 
@@ -201,6 +172,6 @@ def test_containers_of_a_sigkilled_worker_are_removed_by_the_next_docker_backend
     finally:
         holder.kill()
         holder.wait()
-    assert _leftovers(settings)["containers"] == 2  # nobody cleaned up after the SIGKILL
+    assert leftovers(settings)["containers"] == 2  # nobody cleaned up after the SIGKILL
     DockerBackend(settings).client.close()
-    assert all(count == 0 for count in _leftovers(settings).values()), json.dumps(_leftovers(settings))
+    assert all(count == 0 for count in leftovers(settings).values()), json.dumps(leftovers(settings))
