@@ -34,6 +34,7 @@ from functools import partial
 from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, Message, TopicPartition
+from prometheus_client import Counter, Gauge
 
 from env_workers.agent_loop import run_agent_loop
 from env_workers.chat_template import ChatEncoder
@@ -53,6 +54,16 @@ Partition = tuple[str, int]
 # Other runs' tasks passed over per loop turn: large enough that a history of tens of thousands of
 # foreign tasks costs a second, small enough that the loop still serves rollouts and callbacks.
 _PASS_OVER_BATCH = 500
+
+# What the worker's Prometheus endpoint shows (schemas/prometheus.py), refreshed every EXPORT_INTERVAL_S.
+TRAJECTORIES = Counter("rollstream_env_worker_trajectories", "Trajectories sent, by task and final status.",
+                       ["task", "status"], registry=None)
+TURNS = Counter("rollstream_env_worker_turns", "Turns (steps) sent, by task.", ["task"], registry=None)
+IN_FLIGHT = Gauge("rollstream_env_worker_tasks_in_flight", "Rollouts running now.", registry=None)
+CONSUMER_LAG = Gauge("rollstream_env_worker_consumer_lag", "Events of this worker's `tasks` partitions not yet "
+                     "fetched (any run's): the end offsets the client last saw minus its positions.", registry=None)
+PROMETHEUS = (TRAJECTORIES, TURNS, IN_FLIGHT, CONSUMER_LAG)
+EXPORT_INTERVAL_S = 1.0
 
 
 class Watermarks:
@@ -119,6 +130,15 @@ class _TaskConsumer(EventConsumer):
     def commit_positions(self, positions: dict[Partition, int]) -> None:
         commit_retrying(self._consumer, [TopicPartition(t, p, o) for (t, p), o in positions.items()])
 
+    def lag(self) -> int:
+        """Events of the assigned partitions not fetched yet, from what the client knows (no broker round trip)."""
+        total = 0
+        for tp in self._consumer.position(self._consumer.assignment()):
+            ends = self._consumer.get_watermark_offsets(tp, cached=True)
+            if tp.offset >= 0 and ends is not None and ends[1] >= 0:
+                total += max(0, ends[1] - tp.offset)
+        return total
+
 
 @dataclass
 class WorkerStats:
@@ -163,6 +183,7 @@ class EnvWorker:
         self.failure: str | None = None
         self.stats = WorkerStats()
         self._envs: dict[str, Environment] = {}
+        self._exported_at = float("-inf")
 
     # --- the life of the worker -----------------------------------------------------------------
 
@@ -193,6 +214,10 @@ class EnvWorker:
                     break
                 self.engines.update(event.value)
         self._commit_ready()
+        if time.monotonic() - self._exported_at >= EXPORT_INTERVAL_S:
+            self._exported_at = time.monotonic()
+            IN_FLIGHT.set(self._running())
+            CONSUMER_LAG.set(self.consumer.lag())
 
     def _take_task(self) -> bool:
         """Starts a task (from the backlog first, else the consumer); True when one started or was passed over.
@@ -281,6 +306,7 @@ class EnvWorker:
         self.producer.send(topics.TRAJECTORIES, trajectory, key=request["group_id"],
                            on_delivery=partial(self._acked, event))
         self.stats.trajectories += 1
+        TRAJECTORIES.labels(request["task"], trajectory["status"]).inc()
 
     def _env(self, family: str) -> Environment:
         # One instance per family serves every session: sessions carry all per-task state.
@@ -291,6 +317,7 @@ class EnvWorker:
     def _publish_step(self, step: dict[str, Any]) -> None:
         self.producer.send(topics.STEPS, step, key=step["group_id"])
         self.stats.steps += 1
+        TURNS.labels(step["task"]).inc()
 
     def _acked(self, event: ConsumedEvent, error: KafkaError | None, message: Message) -> None:
         if error is not None:

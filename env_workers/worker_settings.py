@@ -6,6 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from env_workers.envs.base import EnvSettings
 from env_workers.settings import AgentLoopSettings
+from schemas.prometheus import MetricsPort
 
 
 class EnvWorkerSettings(BaseModel):
@@ -37,6 +38,9 @@ class EnvWorkerSettings(BaseModel):
     """Not in the paper: Kafka group session timeout; a SIGKILLed worker's tasks move to the others after this."""
     poll_interval_s: float = Field(0.05, gt=0.0)
     """Not in the paper: idle wait of the consume loop between polls."""
+    metrics_port: MetricsPort = None
+    """Not in the paper: port of the worker's Prometheus /metrics, None none, 0 any free port
+    (schemas/prometheus.py)."""
     agent_loop: AgentLoopSettings = AgentLoopSettings()
     """The agent loop's limits, sampling and punishment rule (each default says where it comes from)."""
     env: EnvSettings = EnvSettings()

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from confluent_kafka import OFFSET_BEGINNING, OFFSET_STORED
 from minio import Minio
+from prometheus_client import Gauge
 
 from learner import checkpoint, publish
 from learner.microbatch import BatchItem
@@ -51,6 +52,20 @@ StepFn = Callable[[Sequence[BatchItem]], dict[str, float]]
 # The policy's whole state dict / its optimizer's whole state (learner/checkpoint.py, or the ranks' Leader).
 WeightsFn = Callable[[], Mapping[str, torch.Tensor]]
 OptimizerStateFn = Callable[[], dict[str, Any]]
+
+# What the learner's Prometheus endpoint shows, the newest step's (rank 0 serves it: schemas/prometheus.py).
+STEP = Gauge("rollstream_learner_step", "Optimizer steps the run has taken.", registry=None)
+WEIGHT_VERSION = Gauge("rollstream_learner_weight_version", "Newest weight version published.", registry=None)
+STEP_GAUGES = {
+    "actor/loss": Gauge("rollstream_learner_loss", "Loss of the newest step (token mean).", registry=None),
+    "actor/kl_loss": Gauge("rollstream_learner_kl", "k3 KL to the reference of the newest step (token mean).",
+                           registry=None),
+    "actor/pg_clipfrac": Gauge("rollstream_learner_clip_fraction", "Share of action tokens clipped, newest step.",
+                               registry=None),
+    "perf/tokens_per_s": Gauge("rollstream_learner_tokens_per_second", "Tokens per second of the newest step's "
+                               "reference and actor passes.", registry=None),
+}
+PROMETHEUS = (STEP, WEIGHT_VERSION, *STEP_GAUGES.values())
 
 
 class ResumeError(RuntimeError):
@@ -183,6 +198,15 @@ def metric_events(run: str, step: int, values: Mapping[str, float], at_ms: int) 
              "at_ms": at_ms} for name, v in values.items() if math.isfinite(v)]
 
 
+def export_step(step: int, version: int, m: Mapping[str, float]) -> None:
+    """Sets the Prometheus gauges to a step's figures (those it has)."""
+    STEP.set(step)
+    WEIGHT_VERSION.set(version)
+    for name, gauge in STEP_GAUGES.items():
+        if name in m:
+            gauge.set(m[name])
+
+
 def progress_line(step: int, version: int, m: Mapping[str, float]) -> str:
     """The one-line summary of a step shown on stderr."""
     lag = m.get("rollout/behaviour_lag")
@@ -290,6 +314,7 @@ class LearnerLoop:
             self._announce(staged, state.applied_batch_ids[-1] if state.applied_batch_ids else None, [], [])
             log.warning("version %d was checkpointed but not announced before the crash: announced it now",
                         state.version)
+        export_step(state.step, state.version, {})
         log.info("run %s continues at version %d (step %d); %d batches already applied",
                  self.run, state.version + 1, state.step, len(state.applied_batch_ids))
         return state
@@ -356,6 +381,7 @@ class LearnerLoop:
                     checkpointed_step = state.step
                 consumer.commit(uncommitted)  # only now: the version is durable and announced
                 uncommitted = []
+                export_step(state.step, state.version, metrics)
                 self.progress(progress_line(state.step, state.version, metrics))
                 wait_started = self.clock()
             if uncommitted:  # skipped batches only: nothing to make durable first

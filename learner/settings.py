@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from schemas.prometheus import MetricsPort
+
 PolicyLoss = Literal["ppo", "cispo", "decoupled"]
 ISCorrection = Literal["none", "tis", "icepop"]
 ISLevel = Literal["token", "sequence", "chunk"]
@@ -78,6 +80,9 @@ class LearnerSettings(BaseModel):
     """Newest checkpoints kept (not in the paper; verl keeps all unless told otherwise)."""
     poll_timeout_s: float = Field(1.0, gt=0)
     """How long one poll of `batches` waits before the loop checks for a stop (not in the paper)."""
+    metrics_port: MetricsPort = None
+    """Port of the learner's Prometheus /metrics, served by rank 0 (not in the paper): None none, 0 any free
+    port (schemas/prometheus.py)."""
     seed: int = Field(0, ge=0)
     """Seeds torch's RNG when the process starts (not in the paper; a run sets it from its `seed`); a resumed
     learner takes the RNG states its checkpoint saved instead."""

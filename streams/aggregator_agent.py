@@ -25,6 +25,8 @@ from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Gauge
+
 from schemas import eventref, topics
 from schemas.codec import codec
 from streams import aggregation
@@ -36,6 +38,14 @@ from streams.settings import StreamsSettings
 TICK = b"tick"
 TRAJECTORY, WEIGHTS = "trajectory", "weight_version"
 _ARRAYS = ("input_ids", "loss_mask", "rollout_logprobs")
+
+# What the worker's Prometheus endpoint shows of the aggregator, over the partitions this worker holds.
+OPEN_GROUPS = Gauge("rollstream_streams_open_groups", "Groups waiting for members.", ["run"], registry=None)
+GROUP_COUNTERS = Gauge("rollstream_streams_groups", "The aggregator's counters: groups emitted and dropped (by "
+                       "completion and reason), masked members, duplicates.", ["run", "counter"], registry=None)
+STALENESS = Gauge("rollstream_streams_group_staleness", "Groups emitted, by staleness: the learner's version "
+                  "minus the oldest version among the group's turns.", ["run", "versions"], registry=None)
+PROMETHEUS = (OPEN_GROUPS, GROUP_COUNTERS, STALENESS)
 
 
 @dataclass
@@ -159,6 +169,35 @@ def on_tick(tables: AggregatorTables, partition: int, now_ms: int, settings: Str
     return outs
 
 
+def local_state(tables: AggregatorTables) -> dict[str, dict[str, Any]]:
+    """Per run, over the partitions in these tables: groups still open, and the counters and staleness
+    histogram of the groups closed (what the Prometheus gauges show)."""
+    runs: dict[str, dict[str, Any]] = {}
+
+    def held(run: str) -> dict[str, Any]:
+        return runs.setdefault(run, {"open": 0, "counters": {}, "staleness": {}})
+
+    for state in tables.groups.values():
+        if state["closed"] is None:
+            held(state["run"])["open"] += 1
+    for part in tables.partitions.values():
+        for run, stats in part["stats"].items():
+            h = held(run)
+            h["counters"] = aggregation.tally(h["counters"], stats["counters"])
+            h["staleness"] = aggregation.tally(h["staleness"], stats.get("staleness", {}))
+    return runs
+
+
+def export(runs: dict[str, dict[str, Any]]) -> None:
+    """Sets the Prometheus gauges to `local_state`."""
+    for run, s in runs.items():
+        OPEN_GROUPS.labels(run).set(s["open"])
+        for counter, n in s["counters"].items():
+            GROUP_COUNTERS.labels(run, counter).set(n)
+        for versions, n in s["staleness"].items():
+            STALENESS.labels(run, versions).set(n)
+
+
 def register(w: Wiring) -> None:
     """Declares the aggregator's tables, the weights intake, the sweep timer and the agent on the app."""
     parts = w.worker.partitions
@@ -174,6 +213,7 @@ def register(w: Wiring) -> None:
     @w.app.timer(w.worker.sweep_interval_s, name="aggregator-sweep")
     async def sweep() -> None:
         await w.broadcast(control, parts, None, TICK)
+        export(local_state(tables))
 
     @w.app.agent(source, name="aggregator")
     async def aggregator(stream):  # type: ignore[no-untyped-def]

@@ -54,6 +54,7 @@ from typing import Any
 
 import faust
 from faust.types import TopicT
+from prometheus_client import Counter
 
 from schemas import topics
 from schemas.bus import dead_letter
@@ -68,6 +69,11 @@ log = logging.getLogger("rollstream.streams")
 
 ROUTER, AGGREGATOR, BATCHER, METRICS = "router", "aggregator", "batcher", "metrics"
 COMPONENTS: tuple[str, ...] = (ROUTER, AGGREGATOR, BATCHER, METRICS)
+
+# What the worker's Prometheus endpoint shows (schemas/prometheus.py), with the aggregator's and batcher's.
+SENT = Counter("rollstream_streams_sent", "Events the jobs sent, by topic: tasks routed, groups emitted, batches "
+               "cut, metrics, dead letters.", ["topic"], registry=None)
+PROMETHEUS = (SENT,)
 
 
 def now_ms() -> int:
@@ -158,6 +164,7 @@ class Wiring:
     async def send(self, outs: Iterable[Out]) -> None:
         for topic, key, value in outs:
             await self.out(topic).send(key=key, value=value)
+            SENT.labels(topic).inc()
 
     def out(self, name: str) -> TopicT:
         if name not in self.outgoing:

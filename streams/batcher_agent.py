@@ -30,8 +30,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from prometheus_client import Gauge
 
 from schemas import objectstore, topics
 from schemas.codec import codec
@@ -42,6 +45,11 @@ from streams.events import decode_from
 from streams.serde import raw_table, tagged_table
 
 log = logging.getLogger("rollstream.streams")
+
+# What the worker's Prometheus endpoint shows of the batcher (on the worker that holds its one partition).
+READY_GROUPS = Gauge("rollstream_streams_ready_groups", "Complete training groups waiting for a batch.", ["run"],
+                     registry=None)
+PROMETHEUS = (READY_GROUPS,)
 
 Uploader = Callable[[str, str, bytes], Awaitable[None]]
 """Stores one object: (bucket, key, data)."""
@@ -127,6 +135,9 @@ def register(w: Wiring) -> None:
         # standby's stale copy may send a needless one, which cuts nothing).
         if retry_pending(tables):
             await batcher_in.send(key=TICK, value=TICK, partition=0)
+        ready = Counter(entry["run"] for entry in tables.queue.values())
+        for run in tables.state:  # every run the batcher knows, so an emptied queue reads 0
+            READY_GROUPS.labels(run).set(ready[run])
 
     @w.app.agent(batcher_in, name="batcher")
     async def batcher(stream):  # type: ignore[no-untyped-def]

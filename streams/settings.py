@@ -24,6 +24,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas.prometheus import MetricsPort
+
 StdKind = Literal["bessel", "population"]
 RoutingMode = Literal["turn", "trajectory"]
 AdvNorm = Literal["group", "erpo"]
@@ -169,6 +171,8 @@ class WorkerSettings(BaseModel):
     """Serve the metrics as JSON (Faust web views)."""
     web_port: int = Field(6066, ge=1, le=65535)
     """Port of Faust's web server."""
+    metrics_port: MetricsPort = None
+    """rollstream: port of the worker's Prometheus /metrics, None none, 0 any free port (schemas/prometheus.py)."""
     session_timeout_s: float = Field(10.0, gt=0)
     """Broker session timeout: a killed worker's partitions move after this long."""
     standby_replicas: int = Field(1, ge=0)

@@ -20,7 +20,10 @@ from faust.worker import Worker
 from schemas import topics
 from schemas.bus import EventProducer, create_missing_topics, topic_partitions
 from schemas.eventref import retrying
+from schemas.prometheus import serve_metrics
 from schemas.settings import KafkaSettings, ObjectStoreSettings
+from streams import aggregator_agent, batcher_agent
+from streams import app as streams_app
 from streams.app import COMPONENTS, ControlIntake, create_wiring
 from streams.settings import StreamsSettings, WorkerSettings
 
@@ -201,6 +204,8 @@ def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
     # aiokafka logs every request at DEBUG and its loggers are left enabled: building those
     # records cost about a tenth of the worker's CPU in profiles
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(loglevel.upper())))
+    serve_metrics(worker.metrics_port, "streams",
+                  [*streams_app.PROMETHEUS, *aggregator_agent.PROMETHEUS, *batcher_agent.PROMETHEUS])
     runner = Worker(app, loglevel=loglevel)
     # Faust's startup spinner sets the root logger to DEBUG (its handler spins on every record) and
     # leaves it there after startup: every debug call of faust and mode then built a record to be

@@ -34,6 +34,7 @@ from pipeline.cli import report as report_cmd
 from pipeline.cli import smoke
 from pipeline.cli import streams as streams_cmd
 from pipeline.cli import study as study_cmd
+from pipeline.cli import tensorboard as tensorboard_cmd
 from pipeline.cli import up as up_cmd
 from pipeline.cli.toolkit import ROOT, App
 
@@ -70,6 +71,7 @@ app.command("up")(up_cmd.up)
 app.command("study")(study_cmd.study)
 app.command("eval")(eval_cmd.eval_checkpoint)
 app.command("report")(report_cmd.report)
+app.command("tensorboard")(tensorboard_cmd.tensorboard)
 app.add_typer(replay_cmd.app, name="replay")
 
 

@@ -36,6 +36,8 @@ def dispatch(
     val_samples: str = typer.Option("", help="Validation samples per family, the first ones: N, or FAMILY=N,... (default all)."),
     no_val_before_train: bool = typer.Option(False, "--no-val-before-train", help="Skip validation round 0."),
     poll_s: float = typer.Option(1.0, help="How long each progress poll waits."),
+    metrics_port: int | None = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics on this port, "
+                                            "0 any free one (default none)."),
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -56,7 +58,8 @@ def dispatch(
                                              envs=envs) if val_families else (),
             group_size=group_size, batch_size=batch_size, max_in_flight_groups=max_in_flight,
             val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train,
-            seed=cfg.seed)  # the run seed: the configuration's (`up` passes the whole of it)
+            seed=cfg.seed,  # the run seed: the configuration's (`up` passes the whole of it)
+            metrics_port=metrics_port)
     except ValidationError as e:
         fail("; ".join(err["msg"] for err in e.errors()))
     except ValueError as e:

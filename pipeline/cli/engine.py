@@ -37,6 +37,9 @@ def engine(
     stall_after_s: float = typer.Option(EngineSettings().stall_after_s, "--stall-after-s",
                                         help="Busy with one update or join longer than this: reported unhealthy."),
     work_dir: Path = typer.Option(Path(".run/engines"), "--work-dir", help="Where staged versions are downloaded."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
+                                            help="Serve the supervisor's Prometheus metrics on this port, 0 any free "
+                                                 "one (default none); vLLM's own are at the engine's /metrics."),
     config: ConfigOption = None,
 ) -> None:
     """Serve a policy with vLLM; follow `weights` and publish heartbeats until SIGTERM.
@@ -47,7 +50,8 @@ def engine(
     if not (model / "config.json").is_file():
         fail(f"{model} is not a Hugging Face checkpoint (no config.json)")
     settings = EngineSettings(pool=pool.value, stale_step=stale_step, max_model_len=max_model_len,
-                              heartbeat_interval_s=heartbeat_s, stall_after_s=stall_after_s)
+                              heartbeat_interval_s=heartbeat_s, stall_after_s=stall_after_s,
+                              metrics_port=metrics_port)
     job = EngineJob(model=model, run=run or cfg.run, engine_id=engine_id or f"{pool.value}-{port}", host=host,
                     port=port, advertise_url=advertise_url, initial_version=initial_version, work_dir=work_dir)
     try:

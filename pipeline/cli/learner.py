@@ -68,6 +68,9 @@ def learner(
                                        help="First port of the weight-sync groups (current; stale +1); 0 = free ports "
                                             "picked as each group forms."),
     stale_step: int | None = typer.Option(None, "--stale-step", help="Versions between stale-pool refreshes (default: settings, AgentRL's 25)."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
+                                            help="Serve Prometheus metrics on this port, 0 any free one (default: "
+                                                 "settings, none)."),
     config: ConfigOption = None,
     settings_file: SettingsOption = None,
     quiet: QuietOption = False,
@@ -83,7 +86,8 @@ def learner(
         fail(f"{model_path} is not a Hugging Face checkpoint directory (no config.json)")
     settings = _settings(settings_file, {"checkpoint_interval": checkpoint_interval, "lr": lr,
                                          "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
-                                         "parallelism": parallelism, "stale_step": stale_step})
+                                         "parallelism": parallelism, "stale_step": stale_step,
+                                         "metrics_port": metrics_port})
     job = LearnerJob(run=run, model_path=model_path, resume=resume, max_steps=max_steps, idle_exit_s=idle_exit,
                      broadcast_current=broadcast_current, broadcast_stale=broadcast_stale,
                      broadcast_host=broadcast_host, broadcast_port=broadcast_port)

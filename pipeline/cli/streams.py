@@ -44,6 +44,8 @@ def worker(
     components: str = typer.Option(",".join(COMPONENTS), help="Comma-separated jobs to run here."),
     web_port: int = typer.Option(_W.web_port, help="Port of the JSON metrics view."),
     no_web: bool = typer.Option(False, "--no-web", help="Do not serve the metrics view."),
+    metrics_port: int | None = typer.Option(_W.metrics_port, min=0, max=65535, help="Serve Prometheus metrics on "
+                                            "this port, 0 any free one (default none)."),
     sweep_interval_s: float = typer.Option(_W.sweep_interval_s, help="Aggregator sweep period."),
     metrics_interval_s: float = typer.Option(_W.metrics_interval_s, help="Metrics publishing period."),
     group_size: int = typer.Option(_S.group_size, help="Rollouts per sample, n."),
@@ -80,8 +82,8 @@ def worker(
                                   min_members=min_members, group_timeout_s=group_timeout_s, std=std)
     try:
         worker_settings = WorkerSettings(app_id=app_id, run=run, datadir=datadir, web_port=web_port,
-                                         web_enabled=not no_web, sweep_interval_s=sweep_interval_s,
-                                         metrics_interval_s=metrics_interval_s,
+                                         web_enabled=not no_web, metrics_port=metrics_port,
+                                         sweep_interval_s=sweep_interval_s, metrics_interval_s=metrics_interval_s,
                                          batch_offload_bytes=batch_offload_bytes)
     except ValidationError as e:
         fail(validation_message(e))

@@ -21,15 +21,25 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from confluent_kafka import Consumer, TopicPartition
+from prometheus_client import Counter, Gauge
 
 from pipeline.dispatch import logic
 from schemas import topics
 from schemas.bus import EventProducer, now_ms
 from schemas.codec import UndecodableEvent, codec
+from schemas.prometheus import serve_metrics
 from schemas.settings import KafkaSettings
 
 log = logging.getLogger("rollstream.dispatch")
 
+# What the dispatcher's Prometheus endpoint shows (schemas/prometheus.py).
+TASKS_SENT = Counter("rollstream_dispatcher_tasks_sent", "Task requests sent to tasks.requested (one per member), "
+                     "training or validation.", ["kind"], registry=None)
+GROUPS_IN_FLIGHT = Gauge("rollstream_dispatcher_groups_in_flight", "Training groups dispatched and neither trained "
+                         "nor dropped yet.", registry=None)
+IN_FLIGHT_BOUND = Gauge("rollstream_dispatcher_in_flight_bound", "The most training groups in flight at once.",
+                        registry=None)
+PROMETHEUS = (TASKS_SENT, GROUPS_IN_FLIGHT, IN_FLIGHT_BOUND)
 
 
 @dataclass
@@ -140,6 +150,8 @@ def _send(producer: EventProducer, events: list[dict[str, Any]]) -> None:
     for e in events:
         producer.send(topics.TASKS_REQUESTED, e, key=e["group_id"])
     producer.flush()  # durable before the dispatcher counts it as dispatched
+    for e in events:
+        TASKS_SENT.labels("validation" if e["validation"] else "train").inc()
 
 
 def run_dispatcher(kafka: KafkaSettings, run: str, settings: logic.DispatcherSettings, max_groups: int, *,
@@ -147,6 +159,8 @@ def run_dispatcher(kafka: KafkaSettings, run: str, settings: logic.DispatcherSet
                    should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Dispatches training groups until the run holds max_groups of them (validation rounds as
     they fall due meanwhile); returns a summary. Resumes from what tasks.requested holds."""
+    serve_metrics(settings.metrics_port, "dispatcher", PROMETHEUS)
+    IN_FLIGHT_BOUND.set(settings.in_flight_bound)
     done = read_dispatched(kafka, run, settings.sources)
     cursor = logic.cursor_from_dispatched(settings.sources, done.slots, settings.seed)
     train_ids = {logic.group_id(run, s.task, s.split, s.sample_index, s.epoch) for s in done.slots}
@@ -170,6 +184,7 @@ def run_dispatcher(kafka: KafkaSettings, run: str, settings: logic.DispatcherSet
             if remaining <= 0:
                 break
             in_flight = logic.in_flight(train_ids, progress.trained(), progress.released)
+            GROUPS_IN_FLIGHT.set(in_flight)
             budget = min(logic.dispatch_budget(settings, in_flight), remaining)
             slots, cursor = logic.next_slots(settings.sources, cursor, budget, settings.seed)
             events = [e for s in slots for e in logic.requests_for(run, s, settings.group_size, False, version, clock())]

@@ -28,6 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.ids import group_id
+from schemas.prometheus import MetricsPort
 
 
 class TaskSource(BaseModel):
@@ -68,6 +69,9 @@ class DispatcherSettings(BaseModel):
     """Run validation round 0 at version 0, before any training step (verl's val_before_train)."""
     seed: int = Field(0, ge=0)
     """The run seed (rollstream's): other than 0, each source's samples come in a shuffled order per epoch."""
+    metrics_port: MetricsPort = None
+    """Port of the dispatcher's Prometheus /metrics (rollstream's), None none, 0 any free port
+    (schemas/prometheus.py)."""
 
     @model_validator(mode="after")
     def _train_and_validation_sources_are_disjoint(self) -> DispatcherSettings:

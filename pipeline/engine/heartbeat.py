@@ -23,9 +23,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+from prometheus_client import Gauge
 
 from schemas import topics
 from schemas.bus import EventProducer
+
+# What the supervisor's Prometheus endpoint shows, from each heartbeat (schemas/prometheus.py); vLLM's own
+# metrics stay on the engine's port, at /metrics.
+SERVED_VERSION = Gauge("rollstream_engine_weight_version", "Weight version the engine serves.", registry=None)
+REQUESTS_RUNNING = Gauge("rollstream_engine_requests_running", "Requests vLLM is running.", registry=None)
+REQUESTS_WAITING = Gauge("rollstream_engine_requests_waiting", "Requests waiting: vLLM's queue and those held "
+                         "at the gate of a weight update.", registry=None)
+BUSY = Gauge("rollstream_engine_busy", "1 while the engine serves nothing: an update drains, loads or receives "
+             "weights, or its worker joins a weight-sync group.", registry=None)
+HEALTHY = Gauge("rollstream_engine_healthy", "1 when the engine answered its last probe and is not stalled.",
+                registry=None)
+PROMETHEUS = (SERVED_VERSION, REQUESTS_RUNNING, REQUESTS_WAITING, BUSY, HEALTHY)
 
 _METRIC_LINE = re.compile(r"^(vllm:num_requests_(?:waiting|running))(?:\{[^}]*\})?\s+([0-9.eE+-]+)\s*$")
 
@@ -83,6 +96,15 @@ def heartbeat_event(*, engine_id: str, pool: str, url: str, model: str, run: str
             "busy": probe.busy, "busy_for_ms": int(probe.busy_for_s * 1000)}
 
 
+def export(event: dict[str, Any]) -> None:
+    """Sets the Prometheus gauges to a heartbeat's figures."""
+    SERVED_VERSION.set(event["loaded_version"])
+    REQUESTS_RUNNING.set(event["running"])
+    REQUESTS_WAITING.set(event["queue_depth"])
+    BUSY.set(1 if event["busy"] else 0)
+    HEALTHY.set(1 if event["healthy"] else 0)
+
+
 class Heartbeat:
     """Publishes a heartbeat every `interval_s` from a daemon thread until `stop()`.
 
@@ -117,6 +139,7 @@ class Heartbeat:
                                 stall_after_s=self._stall_after_s)
         self._producer.send(topics.ENGINES, event, key=self._fields["engine_id"])
         self._producer.poll(0)
+        export(event)
         return event
 
     def _run(self) -> None:

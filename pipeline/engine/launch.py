@@ -9,11 +9,13 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.engine import health
+from schemas.prometheus import metrics_url
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +35,17 @@ def stop_process_group(process: subprocess.Popen, timeout_s: float) -> int:
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on at `host` now (the OS's choice); the caller binds it soon after."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` different ports nobody listens on at `host` now: every socket stays bound until all are
+    picked, so the OS cannot hand out one of them twice."""
+    with ExitStack() as held:
+        sockets = [held.enter_context(socket.socket()) for _ in range(n)]
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
 
 
 @dataclass
@@ -47,6 +57,12 @@ class EngineProcess:
     url: str
     process: subprocess.Popen
     log_path: Path
+    metrics_port: int | None = None
+    """Where its supervisor serves Prometheus metrics (vLLM's own are at the engine's url + /metrics)."""
+
+    @property
+    def metrics_url(self) -> str | None:
+        return metrics_url(self.metrics_port) if self.metrics_port is not None else None
 
     def log_tail(self, chars: int = health.LOG_TAIL_CHARS) -> str:
         return health.log_tail(self.log_path, chars)
@@ -149,11 +165,12 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
                   engine_id: str | None = None, extra_args: tuple[str, ...] = (),
                   cwd: Path | None = None, bind_host: str = "127.0.0.1",
                   advertise_host: str | None = None, nice: int = 0,
-                  env: dict[str, str] | None = None) -> EngineProcess:
+                  env: dict[str, str] | None = None, metrics_port: int | None = None) -> EngineProcess:
     """Starts `rollstream engine` in its own process group; call `wait_until_serving` next.
     bind_host 0.0.0.0 with an advertise_host lets other machines (containers) reach it; `nice` lowers the
     scheduling priority of the engine and of every process it starts (vLLM's inherit it); `env`, when
-    given, replaces the environment it inherits."""
+    given, replaces the environment it inherits; `metrics_port`, when given, is where the supervisor serves
+    its Prometheus metrics."""
     port = port or free_port()
     engine_id = engine_id or f"{pool}-{port}"
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +180,9 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
                "--work-dir", str(work_dir / engine_id), "--host", bind_host, *extra_args]
     if advertise_host:
         command += ["--advertise-url", f"http://{advertise_host}:{port}"]
+    if metrics_port is not None:
+        command += ["--metrics-port", str(metrics_port)]
     with open(log_path, "ab") as log:  # an engine started again keeps the log of its previous life
         process = popen_niced(command, nice, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                               start_new_session=True)
-    return EngineProcess(pool, engine_id, f"http://127.0.0.1:{port}", process, log_path)
+    return EngineProcess(pool, engine_id, f"http://127.0.0.1:{port}", process, log_path, metrics_port)

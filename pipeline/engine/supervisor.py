@@ -27,13 +27,14 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from env_workers.engine_client import auth_headers
 from learner.manifest import ShardIntegrityError
 from pipeline.engine.health import wait_until_serving
-from pipeline.engine.heartbeat import Heartbeat
+from pipeline.engine.heartbeat import PROMETHEUS, Heartbeat
 from pipeline.engine.launch import popen_tied, set_session_niceness
 from pipeline.engine.server import INITIAL_VERSION_ENV, vllm_command
 from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
 from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
+from schemas.prometheus import MetricsPort, serve_metrics
 
 # Where vLLM's OpenAI server reads the key it requires on /v1 routes (vllm/envs.py; the same as --api-key).
 API_KEY_ENV = "VLLM_API_KEY"
@@ -63,6 +64,9 @@ class EngineSettings(BaseModel):
     """vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's CPU default share of memory refuses to start on small hosts."""
     start_timeout_s: float = 600.0
     """How long the server may take to become healthy (about 40-55 s on 2 CPU cores)."""
+    metrics_port: MetricsPort = None
+    """Port of the supervisor's Prometheus /metrics (served version, requests, busy), None none, 0 any free port
+    (schemas/prometheus.py; not in the paper). vLLM serves its own at /metrics on the engine's port."""
 
 
 def _log(message: str) -> None:
@@ -143,6 +147,7 @@ class EngineFailed(RuntimeError):
 def run_engine(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob) -> None:
     """Serves until SIGTERM/SIGINT; raises EngineFailed when the server does not come up or exits on
     its own (the server is stopped either way)."""
+    serve_metrics(settings.metrics_port, f"engine {job.engine_id}", PROMETHEUS)
     server = start_server(settings, job, cfg.agent_loop.engine_api_key)
     stopping = {"flag": False}
 
@@ -197,7 +202,8 @@ def _supervise(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob, 
     try:
         start_s = wait_until_serving(url, server, settings.start_timeout_s,
                                      headers=auth_headers(cfg.agent_loop.engine_api_key))
-        _log(f"{job.engine_id} ({settings.pool}) serving {job.model} at {url}, healthy after {start_s:.1f} s")
+        _log(f"{job.engine_id} ({settings.pool}) serving {job.model} at {url}, healthy after {start_s:.1f} s; "
+             f"vLLM's own metrics at {url}/metrics")
         mc = objectstore.client(cfg.object_store)
         producer = EventProducer(cfg.kafka, client_id=f"engine-{job.engine_id}")
         consumer = EventConsumer(cfg.kafka, f"rollstream-engine-{job.engine_id}", [topics.WEIGHTS],

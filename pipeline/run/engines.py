@@ -10,7 +10,7 @@ from pathlib import Path
 
 import psutil
 
-from pipeline.engine.launch import EngineProcess, launch_engine
+from pipeline.engine.launch import EngineProcess, free_port, launch_engine
 from pipeline.run.config import REPO_ROOT, RollstreamConfig
 from pipeline.run.plan import engine_args
 from pipeline.run.supervision import RunFailed, Stack
@@ -18,12 +18,14 @@ from streams.routing import stale_schedule
 
 
 def launch_run_engine(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path, pool: str, engine_id: str,
-                      port: int | None = None, extra_args: tuple[str, ...] = ()) -> EngineProcess:
-    """One engine of the run, launched as the run's configuration says (not yet serving)."""
+                      port: int | None = None, extra_args: tuple[str, ...] = (),
+                      metrics_port: int | None = None) -> EngineProcess:
+    """One engine of the run, launched as the run's configuration says (not yet serving); its supervisor
+    serves Prometheus metrics on `metrics_port` (default: a free port)."""
     return launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines", port=port,
                          engine_id=engine_id, extra_args=engine_args(cfg) + extra_args, cwd=REPO_ROOT,
                          bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host,
-                         nice=cfg.engines.nice)
+                         nice=cfg.engines.nice, metrics_port=metrics_port or free_port())
 
 
 def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
@@ -96,7 +98,9 @@ class EngineRestarter:
                 extra = ("--initial-version", str(version))
             except VersionUnavailable as error:
                 raise RunFailed(f"engine {dead.engine_id} cannot restart on version {version}: {error}") from None
-        # On its old port: the learner's broadcast targets and the env workers' routes stay valid.
+        # On its old ports: the learner's broadcast targets and the env workers' routes stay valid, and so
+        # does the metrics URL `up` listed.
         port = int(dead.url.rsplit(":", 1)[1])
         stop_listener(port)
-        return launch_run_engine(self.cfg, self.run, self.run_dir, model_dir, dead.pool, dead.engine_id, port, extra)
+        return launch_run_engine(self.cfg, self.run, self.run_dir, model_dir, dead.pool, dead.engine_id, port, extra,
+                                 dead.metrics_port)

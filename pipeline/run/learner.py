@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from learner import distributed
 from learner.checkpoint import TrainingState
-from learner.process import LearnerLoop, ResumeError, TemplateMismatch
+from learner.process import PROMETHEUS, LearnerLoop, ResumeError, TemplateMismatch
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.engine.broadcaster import EngineBroadcaster, PoolBroadcaster
@@ -28,6 +28,7 @@ from pipeline.policy.loading import load_policy, policy_template
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
 from schemas.bus import EventProducer
+from schemas.prometheus import serve_metrics
 
 
 class LearnerRefused(RuntimeError):
@@ -88,6 +89,8 @@ def run_learner(cfg: RollstreamConfig, settings: LearnerSettings, job: LearnerJo
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
+    if rank == 0:  # the one rank that talks to the rest of the run
+        serve_metrics(settings.metrics_port, "learner", PROMETHEUS)
     torch.manual_seed(settings.seed)  # a resume replaces it with the checkpoint's RNG states
     model, ref, model_config = load_policy(job.model_path)
     optimizer = make_optimizer(model, settings)

@@ -9,12 +9,13 @@ that have no command-line option travel whole, as the component's own settings m
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from env_workers.envs.base import EnvSettings
 from env_workers.worker_settings import EnvWorkerSettings
 from pipeline.run.config import RollstreamConfig, settings_json
+from schemas.prometheus import metrics_url
 from streams.app import COMPONENTS
 
 # The dispatcher stops on its own after this many training groups; a run is stopped by its learner
@@ -31,9 +32,20 @@ class Child:
     files: dict[str, str] = field(default_factory=dict)  # path -> content
     restart_args: tuple[str, ...] = ()
     """Appended when the process is started again after dying (the learner's --resume)."""
+    metrics_port: int | None = None
+    """Where it serves Prometheus metrics (`with_metrics_port`), the same after a restart."""
 
     def restarted(self) -> Child:
-        return Child(self.name, self.argv + self.restart_args, self.files)
+        return replace(self, argv=self.argv + self.restart_args, restart_args=())
+
+    @property
+    def metrics_url(self) -> str | None:
+        return metrics_url(self.metrics_port) if self.metrics_port is not None else None
+
+
+def with_metrics_port(child: Child, port: int) -> Child:
+    """The child serving Prometheus metrics on `port`: every long-running command takes --metrics-port."""
+    return replace(child, argv=child.argv + ("--metrics-port", str(port)), metrics_port=port)
 
 
 def rollstream(*args: str) -> tuple[str, ...]:

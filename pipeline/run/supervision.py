@@ -84,6 +84,12 @@ class Stack:
         """Restarts so far, by child name and engine id."""
         return self.budget.used
 
+    def metrics_urls(self) -> dict[str, str]:
+        """Where each process serves its Prometheus metrics: children by name, then engines by id."""
+        named = [(c.child.name, c.child.metrics_url) for c in self.children]
+        named += [(e.engine_id, e.metrics_url) for e in self.engines]
+        return {name: url for name, url in named if url is not None}
+
     def start(self, child: Child) -> RunningChild:
         running = RunningChild.start(child, self.log_dir)
         self.children.append(running)

@@ -3,11 +3,13 @@
 Starts, in order: the policy (made by `model init` + `model sft` when the configured checkpoint
 does not exist), the engines of both pools, the Faust worker, the env workers, the learner and
 the dispatcher — each a `rollstream` subprocess in its own session, with its log in
-`runs/<run>/logs/`. While they run, a follower reads the run's events from Kafka and shows the
-live picture (pipeline/run/live_view.py) on stderr. The run ends when the learner has taken
-`max_steps` steps and the validation round it triggers has come back (the "after" of the report);
-then everything is stopped in reverse order and the report is built from the topics alone. Ctrl-C
-or SIGTERM ends it the same way at any point, leaving no process behind.
+`runs/<run>/logs/` and its Prometheus metrics on a port of its own (listed on stderr and in
+`runs/<run>/logs/metrics_urls.json`; schemas/prometheus.py). While they run, a follower reads the
+run's events from Kafka and shows the live picture (pipeline/run/live_view.py) on stderr. The run
+ends when the learner has taken `max_steps` steps and the validation round it triggers has come
+back (the "after" of the report); then everything is stopped in reverse order and the report is
+built from the topics alone. Ctrl-C or SIGTERM ends it the same way at any point, leaving no
+process behind.
 
 The pieces, one concern each: pipeline/run/policy.py (the policy), supervision.py (the processes
 and their restart budget), engines.py (the engines, started and restarted), follower.py (the live
@@ -20,12 +22,13 @@ import json
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 
-from pipeline.engine.launch import free_port
+from pipeline.engine.launch import free_port, free_ports
 from pipeline.run.config import RollstreamConfig
 from pipeline.run.engines import EngineRestarter, start_engines
 from pipeline.run.follower import RunFollower
@@ -38,9 +41,11 @@ from pipeline.run.plan import (
     learner_child,
     streams_app_id,
     streams_child,
+    with_metrics_port,
 )
 from pipeline.run.policy import ensure_policy
 from pipeline.run.supervision import RunFailed, Stack
+from schemas.prometheus import metrics_line
 from streams.worker import start_at_end
 
 # What callers of `rollstream up`'s machinery (the CLI, `rollstream eval`, the benchmarks) import from here.
@@ -98,15 +103,17 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
         view = RunView(run)
         follower = RunFollower(cfg.kafka, view, since_ms=int(started * 1000) - 5000)
         follower.start()
-        stack.start(streams_child(cfg, run, run_dir, free_port()))
-        for child in env_worker_children(cfg, run, run_dir, model_dir, urls, cfg.envs):
-            stack.start(child)
-        # Port 0: the learner picks free ports as each weight-sync group forms. A port picked here stayed
-        # unbound for a minute and its neighbour (the stale pool's) was never checked; one was taken
-        # (make run stalled: the stale engine sat in a join that could not complete).
-        stack.start(learner_child(cfg, run, run_dir, model_dir, urls, 0))
-        stack.start(dispatcher_child(cfg, run, run_dir))
+        children = [streams_child(cfg, run, run_dir, free_port()),
+                    *env_worker_children(cfg, run, run_dir, model_dir, urls, cfg.envs),
+                    # Port 0: the learner picks free ports as each weight-sync group forms. A port picked here
+                    # stayed unbound for a minute and its neighbour (the stale pool's) was never checked; one
+                    # was taken (make run stalled: the stale engine sat in a join that could not complete).
+                    learner_child(cfg, run, run_dir, model_dir, urls, 0),
+                    dispatcher_child(cfg, run, run_dir)]
+        for child, port in zip(children, free_ports(len(children)), strict=True):
+            stack.start(with_metrics_port(child, port))
         say(f"started: {', '.join(c.child.name for c in stack.children)}; training for {cfg.max_steps} steps")
+        _list_metrics(stack, log_dir, say)
         restart = EngineRestarter(cfg, run, run_dir, model_dir, say)
         outcome = _watch(cfg, run, stack, follower, final_round, console, live, final_eval_timeout_s, say,
                          restart, on_tick, done)
@@ -118,8 +125,16 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
     with follower.lock if follower else nullcontext():
         snapshot = follower.view.snapshot(int(time.time() * 1000)) if follower else {}
     return {"run": run, "outcome": outcome, "started_at": _iso(started), "duration_s": round(time.time() - started, 1),
-            "run_dir": str(run_dir), "restarts": stack.restarts,
+            "run_dir": str(run_dir), "restarts": stack.restarts, "metrics": stack.metrics_urls(),
             "exit_codes": codes, "final_validation_round": final_round, "progress": snapshot}
+
+
+def _list_metrics(stack: Stack, log_dir: Path, say: Callable[[str], None]) -> None:
+    """One line per process saying where its Prometheus metrics are, and the same in the logs folder."""
+    urls = stack.metrics_urls()
+    for name, url in urls.items():
+        say(metrics_line(name, url))
+    (log_dir / "metrics_urls.json").write_text(json.dumps(urls, indent=2) + "\n")
 
 
 def _watch(cfg: RollstreamConfig, run: str, stack: Stack, follower: RunFollower, final_round: int | None,

@@ -1,6 +1,7 @@
 """`rollstream up` on the real stack, scaled down: dispatcher → router → env workers → engines →
 aggregator → batcher → learner → weight publish → engines on the new version; then the report,
-`replay verify`, and nothing left running. And Ctrl-C in the middle of a run stops it cleanly.
+`replay verify`, and nothing left running. And in the middle of a run every process answers on its
+metrics port, and Ctrl-C stops it cleanly.
 
 The policy is a freshly initialized small model: these tests are about the pipeline, not about
 learning (the default run's report is where learning is measured).
@@ -16,11 +17,14 @@ import time
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.policy import tiny_policy
 from pipeline.run.config import REPO_ROOT
+from schemas.prometheus import metrics_line
 
 pytestmark = pytest.mark.integration
 
@@ -92,22 +96,53 @@ def test_up_trains_updates_both_pools_reports_and_replays_clean(infra, model, tm
     assert verify.returncode == 0, verify.stdout[-4000:] + verify.stderr[-2000:]
 
 
+def _samples(url: str) -> dict[tuple[str, tuple], float]:
+    """The samples a process's metrics endpoint serves, by (name, labels)."""
+    text = httpx.get(url, timeout=10).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+# A figure each kind of process sets once the learner has taken a step, and the least it must read then; each
+# kind's figures are named rollstream_<kind>_...
+SET_BY_FIRST_STEP = {
+    "streams": (("rollstream_streams_sent_total", (("topic", "groups"),)), 1),
+    "env-worker": (("rollstream_env_worker_tasks_in_flight", ()), 0),
+    "learner": (("rollstream_learner_step", ()), 1),
+    "dispatcher": (("rollstream_dispatcher_tasks_sent_total", (("kind", "train"),)), 1),
+    "engine": (("rollstream_engine_healthy", ()), 1),
+}
+
+
 @pytest.mark.timeout(RUN_LIMIT_S)
-def test_ctrl_c_stops_every_process_of_the_run(infra, model, tmp_path):
+def test_every_process_serves_its_metrics_while_the_run_lives_and_ctrl_c_stops_them_all(infra, model, tmp_path):
     run = f"e2e-int-{uuid.uuid4().hex[:8]}"
     config = _config(tmp_path, model, engines={"current": 1, "stale": 0, "max_model_len": 2048}, max_steps=40,
                      mix={"families": ["calc"], "val_families": [], "val_interval": 1})
     proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "up", "--config", str(config), "--run", run,
                              "--no-live", "--no-report"], cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    learner_log = tmp_path / "runs" / run / "logs" / "learner.log"
+    logs = tmp_path / "runs" / run / "logs"
     deadline = time.monotonic() + RUN_LIMIT_S - 400
-    while not (learner_log.exists() and "step 1 " in learner_log.read_text(errors="replace")):
+    while not ((logs / "learner.log").exists() and "step 1 " in (logs / "learner.log").read_text(errors="replace")):
         assert proc.poll() is None, proc.stderr.read()[-4000:]
         assert time.monotonic() < deadline, "the learner never took a step"
         time.sleep(2)
+
+    urls = json.loads((logs / "metrics_urls.json").read_text())
+    assert set(urls) == {"streams", "env-worker-0", "env-worker-1", "learner", "dispatcher", f"{run}.current-0"}
+    for name, url in urls.items():
+        kind = "engine" if name.startswith(run) else name.rstrip("-0123456789")
+        sample, least = SET_BY_FIRST_STEP[kind]
+        samples = _samples(url)
+        assert samples.get(sample, -1) >= least, (name, sample, sorted(samples)[:40])
+        # its own figures only: another component's would read 0 here and mislead
+        own = f"rollstream_{kind.replace('-', '_')}_"
+        assert {n for n, _ in samples if n.startswith("rollstream_") and not n.startswith(own)} == set()
+
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 130, err[-4000:]
     assert "interrupted" in err
+    assert all(metrics_line(name, url) in err for name, url in urls.items())
     assert _left_running(run) == []

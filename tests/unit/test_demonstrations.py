@@ -161,7 +161,7 @@ def test_sft_rejects_an_unknown_family_in_one_line(tmp_path):
                                       "--families", "calc,chess"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == [
-        "rollstream model sft: unknown families ['chess']; known: calc, db, kg, os, webshop, alfworld"]
+        "rollstream model sft: unknown families ['chess']; known: calc, db, kg, os, webshop, alfworld, python"]
 
 
 def test_demonstration_target_tokens_count_the_mask():

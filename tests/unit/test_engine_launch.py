@@ -14,6 +14,7 @@ import pytest
 from pipeline.engine.health import NotServing, wait_until_serving
 from pipeline.engine.launch import (
     free_port,
+    free_ports,
     popen_niced,
     set_session_niceness,
     stop_process_group,
@@ -124,3 +125,9 @@ def test_a_server_that_never_answers_fails_the_wait_after_its_timeout() -> None:
         assert time.monotonic() - started < 5
     finally:
         stop_process_group(server, 5)
+
+
+def test_ports_picked_together_are_all_different() -> None:
+    # `rollstream up` gives every process of a run a metrics port from one call
+    ports = free_ports(50)
+    assert len(set(ports)) == 50 and all(p > 0 for p in ports)

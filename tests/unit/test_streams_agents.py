@@ -116,6 +116,21 @@ def test_group_behind_the_learner_by_more_than_max_staleness_is_dropped():
     assert metric["labels"]["reason"] == "stale"
 
 
+def test_the_aggregators_gauges_count_open_groups_and_add_up_the_closed_ones_over_partitions():
+    tables = _tables()
+    agg.on_weights(tables, codec().encode("weight_version", weights("r", 3)), 0)
+    for m in range(N):  # complete on partition 0, its turns one version behind the learner
+        _offer(tables, _encoded("a", m, float(m), version=2), 0, T0, S)
+    for m in range(2):  # waiting on partitions 1 and 2
+        _offer(tables, _encoded("b", m, float(m)), 1, T0, S)
+        _offer(tables, _encoded("c", m, float(m)), 2, T0, S)
+    _offer(tables, _encoded("c", 0, 0.0), 2, T0, S)  # a duplicate
+    state = agg.local_state(tables)["r"]
+    assert state["open"] == 2
+    assert (state["counters"]["emitted"], state["counters"]["duplicates"]) == (1, 1)
+    assert state["staleness"] == {"1": 1}
+
+
 def test_expired_tombstones_are_deleted_by_the_sweep():
     tables = _tables()
     for m in range(N):

@@ -17,7 +17,7 @@ from pipeline import cli
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config, write_config, write_private
 from pipeline.dispatch.sources import parse_limit, parse_sources
 from pipeline.run.plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
-                              learner_child, streams_child)
+                              learner_child, rollstream, streams_child, with_metrics_port)
 from streams.settings import StreamsSettings
 
 URLS = {"current": ["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "stale": ["http://127.0.0.1:8003"]}
@@ -50,6 +50,25 @@ def test_every_child_command_line_is_accepted_by_its_command(cfg, tmp_path):
     assert [c.name for c in children][:2] == ["streams", "env-worker-0"]
     for child in children:
         _parse(child)
+
+
+def test_every_child_serves_metrics_on_the_port_it_is_given_also_once_restarted(cfg, tmp_path):
+    children = [streams_child(cfg, "r1", tmp_path, 6070),
+                *env_worker_children(cfg, "r1", tmp_path, tmp_path / "model", URLS, EnvSettings()),
+                learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555),
+                dispatcher_child(cfg, "r1", tmp_path)]
+    for port, child in enumerate(children, start=9100):
+        served = with_metrics_port(child, port)
+        assert served.metrics_url == f"http://127.0.0.1:{port}/metrics"
+        assert _parse(served)["metrics_port"] == port
+        assert _parse(served.restarted())["metrics_port"] == port and served.restarted().metrics_port == port
+    assert _parse(with_metrics_port(children[-2], 9200).restarted())["resume"]  # the learner still resumes
+
+
+def test_an_engine_supervisor_takes_its_metrics_port_on_the_command_line():
+    # pipeline/engine/launch.py passes --metrics-port to `rollstream engine`
+    engine = Child("engine", rollstream("engine", "--pool", "current", "--model", "m", "--metrics-port", "9300"))
+    assert _parse(engine)["metrics_port"] == 9300
 
 
 def test_settings_files_carry_each_components_whole_settings(cfg, tmp_path):

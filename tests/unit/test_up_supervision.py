@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from pipeline.engine.launch import EngineProcess
 from pipeline.run.interrupts import Interrupted, catch_interrupts
-from pipeline.run.plan import Child
+from pipeline.run.plan import Child, with_metrics_port
 from pipeline.run.supervision import RestartBudget, RunFailed, Stack
 
 
@@ -66,6 +67,17 @@ def test_engines_and_children_share_the_stack_s_restart_record(tmp_path):
     stack = Stack(tmp_path, max_restarts=1)
     stack.budget.take("run.current-0", -9, lambda: "")
     assert stack.restarts == {"run.current-0": 1}
+
+
+def test_the_stack_lists_where_each_process_serves_metrics_children_by_name_engines_by_id(tmp_path):
+    stack = Stack(tmp_path)
+    stack.start(with_metrics_port(Child("learner", ("sh", "-c", "exit 0")), 9101))
+    stack.start(Child("helper", ("sh", "-c", "exit 0")))  # serves none
+    stack.engines.append(EngineProcess("current", "r1.current-0", "http://127.0.0.1:8100", None, tmp_path / "e.log",
+                                       metrics_port=9102))
+    assert stack.metrics_urls() == {"learner": "http://127.0.0.1:9101/metrics",
+                                    "r1.current-0": "http://127.0.0.1:9102/metrics"}
+    _wait_exit(stack)
 
 
 def test_a_second_signal_during_the_shutdown_is_ignored_instead_of_interrupting_it():
