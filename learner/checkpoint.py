@@ -8,6 +8,10 @@ far (so a resumed learner neither trains a batch twice nor skips one). Layout:
     s3://rollstream-checkpoints/<run>/step-<step:08d>/meta.json  step, version (small, for listings)
     s3://rollstream-checkpoints/<run>/latest.json                pointer to the newest complete one
 
+With SAO (learner/sao.py) the critic's value head and its optimizer are kept too, under `critic`:
+they are not part of the policy's state dict, so they are never published to engines, and a resumed
+learner's advantages come from the critic it had.
+
 The pointer is written last, so a learner killed while writing a checkpoint resumes from the
 previous complete one.
 
@@ -80,6 +84,8 @@ class Checkpoint:
     optimizer: dict[str, Any]
     rng: dict[str, Any]
     uri: str
+    critic: dict[str, Any] | None = None
+    """SAO's value head and its optimizer (learner/sao.py Critic.state); None without SAO."""
 
 
 # Whole tensors, on CPU, on rank 0 only (other ranks get {}): a gather when the model is sharded.
@@ -122,8 +128,10 @@ def save_checkpoint(
     state: TrainingState,
     model_state: dict[str, torch.Tensor],
     optimizer_state: dict[str, Any],
+    critic_state: dict[str, Any] | None = None,
 ) -> str:
-    """Writes a checkpoint, then moves the latest pointer to it; returns its state URI.
+    """Writes a checkpoint, then moves the latest pointer to it; returns its state URI. `critic_state`:
+    SAO's critic (learner/sao.py Critic.state), kept beside the policy's state, never in it.
 
     The state goes through a temporary file, so a large model is uploaded in parts instead of
     being held twice in memory.
@@ -131,6 +139,8 @@ def save_checkpoint(
     prefix = step_prefix(run, state.step)
     payload = {"state": state.to_plain(), "model": model_state, "optimizer": optimizer_state,
                "rng": rng_states()}
+    if critic_state is not None:
+        payload["critic"] = critic_state
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / STATE_FILE
         torch.save(payload, path)
@@ -162,7 +172,7 @@ def load_latest(mc: Minio, run: str) -> Checkpoint | None:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     return Checkpoint(state=TrainingState.from_plain(payload["state"]), model=payload["model"],
                       optimizer=payload["optimizer"], rng=payload["rng"],
-                      uri=objectstore.uri(topics.CHECKPOINTS_BUCKET, pointer["key"]))
+                      uri=objectstore.uri(topics.CHECKPOINTS_BUCKET, pointer["key"]), critic=payload.get("critic"))
 
 
 def list_checkpoints(mc: Minio, run: str) -> list[tuple[int, int]]:

@@ -56,6 +56,11 @@ r = pi_theta / pi_old the policy ratio, rho = pi_prox / pi_behav the behaviour r
   run of 1s of the loss mask within a sequence, i.e. one assistant turn (the environment's tokens
   between two turns have mask 0).
 
+SAO (seed 000 §7.1; `LearnerSettings.advantage_estimator: sao`) has an actor loss of its own,
+`dis_policy_loss`: -gate * A * rho with rho = pi_theta / pi_behav and the gate shut (0) wherever rho
+leaves [dis_low, dis_high] (DIS, a two-sided hard gate), its advantages from the critic
+(learner/sao.py). The KL and entropy terms and the token-mean are the same as above.
+
 With one optimizer step per batch, pi_prox equals pi_theta in value (the weights are only stepped
 after the last micro-batch), so r = 1 and the PPO clip around pi_prox does not bind: decoupled,
 tis and icepop then train on -w * A * grad log pi_theta, w the behaviour weight. With a
@@ -131,6 +136,13 @@ def level_log_ratio(log_ratio: Tensor, loss_mask: Tensor, level: ISLevel) -> Ten
         means = (sums / counts).gather(-1, chunk_id)  # (B, S) -> (B, T-1)
         return torch.where(action, means, torch.zeros_like(log_ratio))  # (B, T-1)
     raise ValueError(f"unknown is_level {level!r}")
+
+
+def k3_kl(ref_logprobs: Tensor, logprobs: Tensor, kl_clamp: float) -> Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref), exp(ref - logp) - (ref - logp) - 1, clamped to +-kl_clamp."""
+    ref_log_ratio = ref_logprobs - logprobs
+    kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
+    return torch.clamp(kl, min=-kl_clamp, max=kl_clamp)
 
 
 def policy_loss(
@@ -226,10 +238,7 @@ def policy_loss(
     pg_loss = token_mean(pg_losses)
 
     # --- k3 KL to the frozen reference (Schulman 2020), clamped ---
-    ref_log_ratio = ref_logprobs - logprobs
-    kl = torch.exp(ref_log_ratio) - ref_log_ratio - 1.0
-    kl = torch.clamp(kl, min=-kl_clamp, max=kl_clamp)
-    kl_loss = token_mean(kl)
+    kl_loss = token_mean(k3_kl(ref_logprobs, logprobs, kl_clamp))
 
     entropy_loss = token_mean(entropy)
     loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss
@@ -246,4 +255,78 @@ def policy_loss(
         "actor/entropy": entropy_loss.detach(),
         **behaviour_metrics,
     }
+    return loss, metrics
+
+
+def dis_policy_loss(
+    logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    ref_logprobs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    entropy: Tensor,
+    global_action_tokens: int,
+    *,
+    dis_low: float,
+    dis_high: float,
+    kl_coef: float,
+    kl_clamp: float,
+    entropy_coef: float,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAO's actor loss (seed 000 §7.1): the policy gradient with the rollout ratio, hard-gated on both sides
+    (DIS), + k3 KL - entropy bonus, token-mean over `global_action_tokens`. Per action token, with
+    A the critic's advantage (learner/sao.py, skip-observation GAE):
+
+        rho  = pi_theta / pi_rollout = exp(logp - behav)            (with gradient)
+        gate = 1 if dis_low <= sg(rho) <= dis_high else 0
+        pg   = -gate * A * rho         gradient -gate * A * rho * grad log pi_theta
+
+    the importance-weighted policy gradient, PPO's unclipped surrogate: the gate, not a clip, is the trust
+    region, and a token outside it gives no gradient at all (it stays in the KL term and in the token-mean's
+    denominator, as IcePop's masked tokens do). pi_theta is the learner's policy as it trains: with one
+    optimizer step per batch its value is the learner's log-prob at the start of the step, so the gate sees the
+    whole learner/rollout gap (engine numerics, stale and cross-policy turns).
+
+    Diagnostics under the loss's usual names, so reports and the progress line read alike: actor/pg_clipfrac
+    is the share of tokens the gate masks, actor/pg_clipfrac_lower those below dis_low, actor/ppo_kl the k1
+    estimate of KL(rollout || learner), actor/is_weight the mean of gate * rho (a masked token counts 0).
+    """
+    if global_action_tokens <= 0:
+        raise ValueError("the batch has no action tokens to train on")
+    mask = loss_mask.to(logprobs.dtype)
+
+    def token_mean(per_token: Tensor) -> Tensor:
+        """This micro-batch's share of the global token-mean: sum(x * mask) / global tokens."""
+        return (per_token * mask).sum() / global_action_tokens
+
+    # --- rollout ratio rho = pi_theta / pi_rollout, clamped before exp (a stale-engine outlier must not overflow) ---
+    log_rho = torch.clamp(logprobs - rollout_logprobs, min=-LOG_RATIO_BOUND, max=LOG_RATIO_BOUND)
+    rho = torch.exp(log_rho)
+
+    # --- DIS: two-sided hard gate on the ratio; outside [dis_low, dis_high] the token is masked ---
+    with torch.no_grad():
+        gate = ((rho >= dis_low) & (rho <= dis_high)).to(mask.dtype)
+
+    # --- policy gradient, importance-weighted: -A * rho (PPO's unclipped surrogate), kept tokens only ---
+    pg_losses = -gate * advantages * rho
+    pg_loss = token_mean(pg_losses)
+
+    # --- k3 KL to the frozen reference (Schulman 2020), clamped ---
+    kl_loss = token_mean(k3_kl(ref_logprobs, logprobs, kl_clamp))
+
+    entropy_loss = token_mean(entropy)
+    loss = pg_loss + kl_coef * kl_loss - entropy_coef * entropy_loss
+
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_loss": pg_loss.detach(),
+            "actor/pg_clipfrac": token_mean(1.0 - gate),
+            "actor/pg_clipfrac_lower": token_mean((rho < dis_low).to(mask.dtype)),
+            # Approximate KL(rollout || learner), k1 estimator, as verl reports ppo_kl.
+            "actor/ppo_kl": token_mean(-log_rho.detach()),
+            "actor/kl_loss": kl_loss.detach(),
+            "actor/entropy": entropy_loss.detach(),
+            # the mean weight gate * rho, a masked token counting 0 (as icepop's actor/is_weight)
+            "actor/is_weight": token_mean(gate * rho.detach()),
+        }
     return loss, metrics

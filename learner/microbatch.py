@@ -17,6 +17,10 @@ position t refers to token t+1:
     rollout_logprobs[t] = item rollout_logprobs[t + 1]  (the engine's log p(x_{t+1}))
     advantages[t]       = advantage * loss_mask[t]
 
+With SAO (`learner.advantage_estimator: sao`) an item's scalar is its trajectory's reward, not an
+advantage: the step computes per-token advantages from it with the critic (learner/sao.py) and reads
+each row's scalar from `signals`; `advantages` is then not used.
+
 Token 0 has no prediction, so it can never be an action token (it is the prompt's first token);
 an item whose loss_mask[0] is 1 is rejected. Padding positions carry attention_mask 0,
 loss_mask 0, rollout log-prob 0 and advantage 0, so they add nothing to the loss.
@@ -30,8 +34,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# (input_ids (T,), loss_mask (T,), rollout_logprobs (T,), advantage): the training content of a
-# batches event item, with the arrays unpacked by schemas.arrays.
+# (input_ids (T,), loss_mask (T,), rollout_logprobs (T,), signal): the training content of a batches
+# event item, with the arrays unpacked by schemas.arrays. The signal is the item's final advantage, or
+# with SAO its trajectory's reward (learner/process.py batch_items).
 BatchItem = tuple[np.ndarray, np.ndarray, np.ndarray, float]
 
 
@@ -45,6 +50,7 @@ class MicroBatch:
     loss_mask: np.ndarray  # (B, T-1) float32, 1 where token t+1 is an action
     rollout_logprobs: np.ndarray  # (B, T-1) float32
     advantages: np.ndarray  # (B, T-1) float32
+    signals: np.ndarray  # (B,) float32, each item's scalar as given (SAO: its reward)
 
     @property
     def action_tokens(self) -> int:
@@ -104,6 +110,7 @@ def collate(items: Sequence[BatchItem], indices: Sequence[int], pad_token_id: in
         loss_mask=shifted_mask,
         rollout_logprobs=rollout[:, 1:] * shifted_mask,  # (B, T-1)
         advantages=advantage * shifted_mask,  # (B, 1) * (B, T-1) -> (B, T-1)
+        signals=advantage[:, 0],  # (B,)
     )
 
 

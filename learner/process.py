@@ -8,7 +8,8 @@ Per batch, in this order (ARCHITECTURE.md, "Delivery guarantees"):
     train    one optimizer step on the whole batch (learner/step.py, on one rank or several)
     publish  fast path (the pluggable broadcaster, none by default), then stage the version in
              MinIO (shards, then manifest)
-    ckpt     every `checkpoint_interval` steps: model, optimizer, RNG, step, version, offsets
+    ckpt     every `checkpoint_interval` steps: model, optimizer, RNG, step, version, offsets (and
+             SAO's critic, which is never published: it is not part of the policy's weights)
     announce the `weights` event and the step's metrics, flushed: acknowledged by the broker
     commit   the `batches` offsets, only now that the version is durable and announced
 
@@ -35,7 +36,7 @@ from confluent_kafka import OFFSET_BEGINNING, OFFSET_STORED
 from minio import Minio
 from prometheus_client import Gauge
 
-from learner import checkpoint, publish
+from learner import checkpoint, publish, sao
 from learner.microbatch import BatchItem
 from learner.settings import LearnerSettings
 from schemas import arrays, eventref, objectstore, topics
@@ -149,9 +150,11 @@ def array_refs(batch: Mapping[str, Any]) -> list[str]:
             if not i["trajectory"]["validation"] and eventref.is_ref(i["trajectory"]["arrays_uri"])]
 
 
-def batch_items(batch: Mapping[str, Any], fetch: Callable[[str], bytes]) -> list[BatchItem]:
+def batch_items(batch: Mapping[str, Any], fetch: Callable[[str], bytes], *, rewards: bool = False) -> list[BatchItem]:
     """The training content of a `batches` event; validation trajectories are never trained on.
 
+    Each item's scalar is its final advantage, or with `rewards` (SAO, whose batches carry no advantages:
+    streams.advantage "none") its trajectory's reward, from which the step computes the advantages.
     Arrays not inline are fetched with `fetch(uri)`: from the `trajectories` event an item refers to
     (kafka://, what the stream processor sends: the event's raw value), or from the object store
     (s3://, an .npz offloaded by the env worker).
@@ -161,6 +164,7 @@ def batch_items(batch: Mapping[str, Any], fetch: Callable[[str], bytes]) -> list
         t = item["trajectory"]
         if t["validation"]:
             continue
+        signal = float(t["reward"]) if rewards else float(item["advantage"])
         uri = t["arrays_uri"]
         if eventref.is_ref(uri):
             source = codec().decode(fetch(uri), "trajectory")
@@ -176,7 +180,7 @@ def batch_items(batch: Mapping[str, Any], fetch: Callable[[str], bytes]) -> list
             ids = arrays.unpack_ids(t["input_ids"])
             mask = arrays.unpack_mask(t["loss_mask"])
             logprobs = arrays.unpack_logprobs(t["rollout_logprobs"])
-        items.append((ids, mask, logprobs, float(item["advantage"])))
+        items.append((ids, mask, logprobs, signal))
     return items
 
 
@@ -256,6 +260,9 @@ class LearnerLoop:
     mc: Minio
     producer: EventProducer
     broadcaster: Broadcaster | None = None
+    critic: sao.Critic | None = None
+    """SAO's value head (learner/sao.py), which step_fn trains: checkpointed and restored beside the policy,
+    never published. None unless settings.advantage_estimator is "sao", which needs it."""
     template_fingerprint: str | None = None
     """The policy tokenizer's (schemas/template.py); batches encoded otherwise are refused. None: unchecked."""
     weights: WeightsFn | None = None
@@ -277,6 +284,12 @@ class LearnerLoop:
     """Stages each version full or as a delta on the previous one (learner/publish.py)."""
 
     def __post_init__(self) -> None:
+        if self.settings.sao != (self.critic is not None):
+            raise ValueError("a critic is needed with advantage_estimator sao, and only then")
+        if self.critic is not None and {id(p) for p in self.critic.head.parameters()} & {
+                id(p) for p in self.model.parameters()}:
+            # What is published is the policy's state dict: a head inside it would be staged for the engines.
+            raise ValueError("SAO's value head must not be a module of the policy: it would be published to engines")
         self.aliases = publish.tied_aliases(self.model)
         self.stager = publish.VersionStager(self.mc, self.run, snapshot_interval=self.settings.snapshot_interval,
                                             max_shard_bytes=self.settings.max_shard_bytes,
@@ -298,6 +311,10 @@ class LearnerLoop:
             self.model.load_state_dict(ckpt.model)
             checkpoint.load_optimizer_state(self.model, self.optimizer, ckpt.optimizer)
             checkpoint.restore_rng(ckpt.rng)
+            if self.critic is not None and ckpt.critic is not None:
+                self.critic.load(ckpt.critic)
+            elif self.critic is not None:
+                log.warning("checkpoint %s holds no critic: SAO's value head starts from zero", ckpt.uri)
             log.info("resumed from checkpoint %s (step %d, version %d)", ckpt.uri, ckpt.state.step, ckpt.state.version)
         elif resume and published:
             log.warning("run %s has no checkpoint: resuming from the initial weights", self.run)
@@ -357,7 +374,8 @@ class LearnerLoop:
                     check_template(batch, self.template_fingerprint)
                 # the token arrays stay in `trajectories`: read in one pass per partition, not one seek each
                 events = self._fetcher.fetch_many(array_refs(batch))
-                items = batch_items(batch, lambda uri: events[uri] if uri in events else self._fetch(uri))
+                items = batch_items(batch, lambda uri: events[uri] if uri in events else self._fetch(uri),
+                                    rewards=self.settings.sao)
                 if not any(int(mask.sum()) for _, mask, _, _ in items):
                     log.warning("skipping batch %s (index %d): no action tokens to train on",
                                 batch["batch_id"], batch["index"])
@@ -412,7 +430,7 @@ class LearnerLoop:
         started = self.clock()
         if batch_id is not None:
             state.version += 1
-        whole = self._weights()
+        whole = self._weights()  # the policy's alone: SAO's critic is a module apart, checkpointed, never served
         tensors = publish.served_tensors(publish.without_aliases(whole, self.aliases), self.settings.publish_dtype)
         pools = list(self.broadcaster(tensors, state.version)) if self.broadcaster is not None else []
         staged = self.stager.stage(tensors, version=state.version, step=state.step, config=self.model_config)
@@ -443,7 +461,7 @@ class LearnerLoop:
         optimizer_state = (self.optimizer_state() if self.optimizer_state is not None
                            else checkpoint.full_optimizer_state(self.model, self.optimizer))
         uri = checkpoint.save_checkpoint(self.mc, self.run, state, dict(weights if weights is not None else self._weights()),
-                                         optimizer_state)
+                                         optimizer_state, self.critic.state() if self.critic is not None else None)
         checkpoint.prune_checkpoints(self.mc, self.run, self.settings.keep_checkpoints)
         log.info("checkpoint of step %d (version %d) at %s", state.step, state.version, uri)
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.prometheus import MetricsPort
 
 PolicyLoss = Literal["ppo", "cispo", "decoupled"]
 ISCorrection = Literal["none", "tis", "icepop"]
 ISLevel = Literal["token", "sequence", "chunk"]
+AdvantageEstimator = Literal["group", "sao"]
 
 
 class LearnerSettings(BaseModel):
@@ -86,6 +87,50 @@ class LearnerSettings(BaseModel):
     seed: int = Field(0, ge=0)
     """Seeds torch's RNG when the process starts (not in the paper; a run sets it from its `seed`); a resumed
     learner takes the RNG states its checkpoint saved instead."""
+
+    # -- SAO, seed 000 §7.1 (learner/sao.py; ARCHITECTURE.md "SAO") --
+    advantage_estimator: AdvantageEstimator = "group"
+    """Where each action token's advantage comes from: "group", the batch's (GRPO then per-task normalization,
+    computed by the streams; AgentRL); "sao", single-sample agentic optimization (seed 000 §7.1): a value head
+    on the policy's final hidden state, skip-observation GAE from the trajectory's reward computed here, the
+    DIS-gated policy gradient as the actor loss (policy_loss, is_correction and is_level do not apply) and
+    critic_updates_per_step critic updates per actor step. Needs batches without group advantages
+    (streams.advantage "none", usually with streams.group_size 1); one learner process only."""
+    gae_gamma: float = Field(1.0, gt=0, le=1)
+    """SAO's discount per generated token (the GAE recursion steps over the policy's tokens only). The source
+    is not available here: 1.0, verl's algorithm.gamma, since a reward at the end of thousands of tokens must
+    not vanish."""
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    """SAO's GAE lambda. Source not available here: 0.95, CleanRL's gae_lambda (GAE, Schulman et al. 2015).
+    Below 1 the critic's bootstrap carries the credit; at gae_gamma = gae_lambda = 1 the advantage telescopes
+    to R - V and skipping the observations changes nothing."""
+    critic_lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate of SAO's value head: verl's critic.optim.lr 1e-5 (the source's value is not
+    available here)."""
+    critic_updates_per_step: int = Field(2, ge=1)
+    """SAO's critic optimizer steps per actor step, each on the whole batch: 2, seed 000 §7.1."""
+    dis_low: float = Field(0.5, gt=0, lt=1)
+    """Lower bound of SAO's DIS gate: an action token whose ratio pi_learner / pi_rollout is below it is masked
+    out of the policy gradient. 0.5 = 1/C with C = 2, IcePop's and the TIS blog's C (source value not available)."""
+    dis_high: float = Field(2.0, gt=1)
+    """Upper bound of SAO's DIS gate: a token whose ratio is above it is masked out. 2.0 = C (as dis_low)."""
+
+    @model_validator(mode="after")
+    def _sao_has_its_own_actor_loss(self) -> LearnerSettings:
+        # SAO's actor loss is the DIS-gated policy gradient; an objective or correction set beside it would be ignored.
+        if self.advantage_estimator == "sao":
+            others = {name: getattr(self, name) for name, default in
+                      (("policy_loss", "ppo"), ("is_correction", "none"), ("is_level", "token"))
+                      if getattr(self, name) != default}
+            if others:
+                raise ValueError("advantage_estimator sao trains with its own actor loss (DIS-gated policy gradient): "
+                                 + ", ".join(f"{k} {v!r}" for k, v in others.items()) + " does not apply; leave it out")
+        return self
+
+    @property
+    def sao(self) -> bool:
+        """Whether the learner estimates the advantages itself with SAO's critic (advantage_estimator "sao")."""
+        return self.advantage_estimator == "sao"
 
     @property
     def needs_prox_logprobs(self) -> bool:

@@ -4,6 +4,14 @@ With `policy_loss: decoupled` or an `is_correction` (learner/loss.py), the step 
 actor's own log-probs under no_grad, once, like the reference pass: the proximal/old policy of the
 loss. Plain ppo skips that pass, so it costs one actor forward per micro-batch less.
 
+With `advantage_estimator: sao` (learner/sao.py) the batch carries each trajectory's reward instead
+of its advantage: the actor's forward also yields the final hidden states, the value head turns
+them into V(s_t), skip-observation GAE turns the rewards into per-token advantages and returns, the
+actor trains on the DIS-gated loss (learner/loss.py dis_policy_loss), and after the actor's step the
+critic takes `critic_updates_per_step` steps on the action tokens' features and returns (phase 4).
+No extra forward: the features come from the actor's own pass, and the weights they come from move
+only after it. One process only (the critic is not shared across ranks).
+
 `train_step` is pure with respect to I/O: it takes models, an optimizer and plain arrays, and
 returns metrics; consuming `batches`, publishing weights and checkpointing happen around it.
 
@@ -24,12 +32,14 @@ import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 import torch
 
-from learner.loss import next_token_logits, policy_loss, token_entropy, token_logprobs
+from learner import sao
+from learner.loss import dis_policy_loss, next_token_logits, policy_loss, token_entropy, token_logprobs
 from learner.microbatch import BatchItem, MicroBatch, make_micro_batches, rank_share
 from learner.settings import LearnerSettings
 
@@ -95,14 +105,20 @@ def train_step(
     settings: LearnerSettings,
     *,
     sync: GradientSync | None = None,
+    critic: sao.Critic | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
     """One optimizer step on a whole batch; returns actor/* metrics, grad norm, tokens, timings.
 
-    batch_items are (input_ids, loss_mask, rollout_logprobs, advantage) per trajectory. With
-    `sync`, every rank passes the whole batch, trains its share, and gets the same metrics back
-    (summed over ranks).
+    batch_items are (input_ids, loss_mask, rollout_logprobs, advantage) per trajectory; with SAO
+    (settings.advantage_estimator "sao", which needs `critic`) the last is the trajectory's reward,
+    and the critic's metrics (critic/*) come back too. With `sync`, every rank passes the whole batch,
+    trains its share, and gets the same metrics back (summed over ranks).
     """
+    if settings.sao and critic is None:
+        raise ValueError("advantage_estimator sao needs the critic (learner/sao.py make_critic)")
+    if settings.sao and sync is not None:
+        raise ValueError("advantage_estimator sao trains its critic in one process; run the learner without torchrun")
     # --- plan: micro-batches by token budget; the token-mean divides by the batch's action tokens ---
     micro_batches: list[MicroBatch] = make_micro_batches(batch_items, settings.max_tokens_per_micro_batch)
     global_action_tokens = sum(mb.action_tokens for mb in micro_batches)
@@ -128,8 +144,9 @@ def train_step(
     # --- phase 2: actor forward/backward per micro-batch, gradients accumulate; only the last backward syncs ---
     model.train()
     optimizer.zero_grad(set_to_none=True)
+    critic_batch: list[_CriticData] = []  # SAO: each micro-batch's action tokens, for phase 4
     shares = _accumulate_gradients(model, micro_batches, share, ref_logprobs, prox_logprobs, global_action_tokens,
-                                   settings, sync, world)
+                                   settings, sync, world, critic, critic_batch)
 
     # --- phase 3: metrics summed over ranks, then clip and step (on identical gradients), free the gradients ---
     names = sorted(shares)
@@ -139,6 +156,10 @@ def train_step(
         sync.sum_over_ranks(totals)
     grad_norm_value, step_skipped, lr = _clip_and_step(optimizer, settings)
     actor_done = clock()
+
+    # --- phase 4 (SAO): the critic's updates on the batch's features and GAE returns, after the actor's step ---
+    critic_metrics = _train_critic(critic, critic_batch, settings) if critic is not None else {}
+    critic_done = clock()
 
     result = {name: float(value) for name, value in zip(names, totals, strict=True)}
     result.update(
@@ -155,6 +176,9 @@ def train_step(
     )
     if settings.needs_prox_logprobs:
         result["timing/prox_s"] = prox_done - ref_done
+    if critic is not None:
+        result.update(critic_metrics)
+        result["timing/critic_s"] = critic_done - actor_done
     return result
 
 
@@ -178,13 +202,22 @@ def _logprobs_without_graph(policy: torch.nn.Module, micro_batches: Sequence[Mic
 def _accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[MicroBatch],
                           share: Sequence[tuple[int, float]], ref_logprobs: Sequence[torch.Tensor],
                           prox_logprobs: Sequence[torch.Tensor | None], global_action_tokens: int,
-                          settings: LearnerSettings, sync: GradientSync | None, world: int) -> dict[str, list[torch.Tensor]]:
-    """Forward and backward of this rank's micro-batches; returns metric -> per-micro-batch shares (on device)."""
+                          settings: LearnerSettings, sync: GradientSync | None, world: int,
+                          critic: sao.Critic | None = None,
+                          critic_batch: list[_CriticData] | None = None) -> dict[str, list[torch.Tensor]]:
+    """Forward and backward of this rank's micro-batches; returns metric -> per-micro-batch shares (on device).
+    With SAO's `critic`, each micro-batch's action tokens are appended to `critic_batch` for phase 4."""
     device = _device_of(model)
     shares: dict[str, list[torch.Tensor]] = defaultdict(list)
     for n, ((index, weight), ref_lp, prox_lp) in enumerate(zip(share, ref_logprobs, prox_logprobs, strict=True)):
         mb = micro_batches[index]
         local = sync is not None and n < len(share) - 1
+        if critic is not None:
+            loss, metrics = _sao_actor_loss(model, critic, mb, ref_lp, global_action_tokens, settings, critic_batch)
+            (loss * weight).backward()  # one process: no rank scaling
+            for name, value in (metrics | {"actor/loss": loss.detach()}).items():
+                shares[name].append(value * weight)
+            continue
         with sync.skip_sync() if local else contextlib.nullcontext():
             input_ids = _tensor(mb.input_ids, device)  # (B, T)
             logits = next_token_logits(model, input_ids, _tensor(mb.attention_mask, device), settings.temperature)
@@ -215,6 +248,77 @@ def _accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[MicroB
         for name, value in (metrics | {"actor/loss": loss.detach()}).items():
             shares[name].append(value * weight)
     return shares
+
+
+@dataclass(frozen=True)
+class _CriticData:
+    """One micro-batch's action tokens as the critic needs them: features (N, H) and, each (N,), the values
+    the advantages were computed with, the GAE returns and the advantages."""
+
+    features: torch.Tensor
+    values: torch.Tensor
+    returns: torch.Tensor
+    advantages: torch.Tensor
+
+
+def _sao_actor_loss(model: torch.nn.Module, critic: sao.Critic, mb: MicroBatch, ref_lp: torch.Tensor,
+                    global_action_tokens: int, settings: LearnerSettings,
+                    critic_batch: list[_CriticData]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SAO on one micro-batch: the actor's forward with its final hidden states, V(s_t) from the value head,
+    skip-observation GAE from the rows' rewards, then the DIS-gated actor loss. Keeps the action tokens'
+    features, values, returns and advantages in `critic_batch`."""
+    device = _device_of(model)
+    input_ids = _tensor(mb.input_ids, device)  # (B, T)
+    logits, features = sao.next_token_logits_and_features(model, input_ids, _tensor(mb.attention_mask, device),
+                                                          settings.temperature)  # (B, T-1, V), (B, T-1, H)
+    logprobs = token_logprobs(logits, input_ids)  # (B, T-1)
+    entropy = token_entropy(logits if settings.entropy_coef > 0 else logits.detach())  # (B, T-1)
+
+    # --- critic: V(s_t) before this step's updates; GAE over the policy's own tokens, reward on the last ---
+    with torch.no_grad():
+        values = critic.head(features)  # (B, T-1)
+    # The recursion runs on the CPU, one Python step per action token (a CPU-GPU sync point per micro-batch):
+    # written as the formula reads; about 0.7 us per action token here, little beside the forward and backward.
+    advantages_np, returns_np = sao.batch_gae(values.double().cpu().numpy(), mb.loss_mask, mb.signals,
+                                              settings.gae_gamma, settings.gae_lambda)  # (B, T-1) each
+    advantages = torch.from_numpy(advantages_np).to(device, torch.float32)  # (B, T-1)
+    returns = torch.from_numpy(returns_np).to(device, torch.float32)  # (B, T-1)
+    action = torch.from_numpy(mb.loss_mask > 0).to(device)  # (B, T-1)
+    critic_batch.append(_CriticData(features[action], values[action], returns[action], advantages[action]))
+
+    # --- actor: the DIS-gated policy gradient on those advantages ---
+    return dis_policy_loss(
+        logprobs,
+        _tensor(mb.rollout_logprobs, device),
+        ref_lp,
+        advantages,
+        _tensor(mb.loss_mask, device),
+        entropy,
+        global_action_tokens,
+        dis_low=settings.dis_low,
+        dis_high=settings.dis_high,
+        kl_coef=settings.kl_coef,
+        kl_clamp=settings.kl_clamp,
+        entropy_coef=settings.entropy_coef,
+    )
+
+
+def _train_critic(critic: sao.Critic, critic_batch: Sequence[_CriticData],
+                  settings: LearnerSettings) -> dict[str, float]:
+    """The critic's updates on the whole batch's action tokens, with the diagnostics of the values the
+    advantages were computed with (CleanRL's explained variance)."""
+    values = torch.cat([d.values for d in critic_batch])  # (N,)
+    returns = torch.cat([d.returns for d in critic_batch])  # (N,)
+    advantages = torch.cat([d.advantages for d in critic_batch])  # (N,)
+    diagnostics = {
+        "critic/values_mean": float(values.mean()),
+        "critic/returns_mean": float(returns.mean()),
+        "critic/explained_variance": sao.explained_variance(values, returns),
+        "actor/advantage_mean": float(advantages.mean()),
+        "actor/advantage_std": float(advantages.std(unbiased=False)),
+    }
+    features = torch.cat([d.features for d in critic_batch])  # (N, H)
+    return diagnostics | sao.update_critic(critic, features, returns, settings)
 
 
 def _clip_and_step(optimizer: torch.optim.Optimizer, settings: LearnerSettings) -> tuple[float, bool, float]:

@@ -131,10 +131,14 @@ def decide(state: Mapping[str, Any], now_ms: int, learner_version: int, settings
 def build_group(state: Mapping[str, Any], members: list[Mapping[str, Any]], now_ms: int, completion: str,
                 settings: StreamsSettings) -> dict[str, Any]:
     """The groups event (schemas/avro/group.avsc): members in member order, masked ones with
-    advantage 0. all_equal needs at least two unmasked members (a group of one has advantage R)."""
+    advantage 0 (every one with settings.advantage "none"). all_equal needs at least two unmasked
+    members (a group of one has advantage R)."""
     masked = np.array([t["status"] == Status.TASK_ERROR for t in members])
     rewards = np.array([t["reward"] for t in members], dtype=np.float64)
-    adv = grpo_advantages(rewards, [state["group_id"]] * len(members), settings.std, settings.eps, ~masked)
+    if settings.advantage == "group":
+        adv = grpo_advantages(rewards, [state["group_id"]] * len(members), settings.std, settings.eps, ~masked)
+    else:  # "none": the learner computes the advantages from the rewards (SAO)
+        adv = np.zeros(len(members), dtype=np.float64)
     counted = rewards[~masked]
     _, used_std = group_reward_stats(counted, settings.std)
     unmasked_versions = min_weight_version([t for t, m in zip(members, masked) if not m])

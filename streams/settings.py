@@ -11,6 +11,9 @@ Ablation switches of the paper, each off-able alone: `task_adv_norm: false` (GRP
 only), `stale_ratio: 0` (no cross-policy sampling), `routing_mode: trajectory` (one pool per
 trajectory instead of per turn).
 
+`advantage: none` passes trajectories through without a group advantage, for a learner that estimates
+advantages itself (SAO, `learner.advantage_estimator: sao`, seed 000 §7.1; usually with `group_size: 1`).
+
 Batch construction options from other papers, each off by default (ARCHITECTURE.md, "Batch
 construction options"): `variance_filter_keep` (RAGEN), `adv_norm: erpo` (ERPO), `fifo_window_s`
 (a windowed FIFO), `positive_only_steps` (a positive-only start), `turn_schedule` (ScalingInter-RL).
@@ -29,6 +32,7 @@ from schemas.prometheus import MetricsPort
 StdKind = Literal["bessel", "population"]
 RoutingMode = Literal["turn", "trajectory"]
 AdvNorm = Literal["group", "erpo"]
+Advantage = Literal["group", "none"]
 TurnStage = tuple[int, int]
 """(from learner version, max turns) of one stage of the turn schedule."""
 
@@ -85,6 +89,13 @@ class StreamsSettings(BaseModel):
     or "erpo", ERPO-style as the issue describes it: A = (R - mean of its question's group) / (std of the rewards
     of its environment, the task family, in the batch + eps). ERPO replaces the per-task standardization (which
     would divide its std out again), so it needs task_adv_norm false."""
+    advantage: Advantage = "group"
+    """Whether the streams compute advantages: "group", GRPO in the aggregator then the batcher's normalization
+    (AgentRL); "none", every member's group advantage and every batch item's advantage is 0 and the batch carries
+    the trajectories with their rewards, from which the learner computes the advantages (SAO, seed 000 §7.1:
+    `learner.advantage_estimator: sao`, with `group_size: 1` and `min_members: 1`). The per-task normalization
+    then has nothing to scale (its statistics report 0); ERPO and the positive-only start, which are advantage
+    rules, are refused with it."""
     variance_filter_keep: float = Field(1.0, gt=0.0, le=1.0)
     """RAGEN (Wang et al. 2025, arXiv 2504.20073, StarPO-S rollout filtering; its config/base.yaml keeps 0.25):
     each cut trains only its groups of largest reward std, whole, this fraction of its trajectories rounded down
@@ -111,6 +122,24 @@ class StreamsSettings(BaseModel):
             raise ValueError(
                 f"max_staleness ({self.max_staleness}) must be at least stale_step + max_stale_lag "
                 f"({self.stale_step + self.max_stale_lag}), or every stale-pool group is dropped")
+        return self
+
+    @model_validator(mode="after")
+    def _a_complete_group_has_enough_members(self) -> StreamsSettings:
+        # The aggregator drops a group with fewer unmasked members than min_members, complete or not.
+        if self.min_members > self.group_size:
+            raise ValueError(f"min_members ({self.min_members}) must not exceed group_size ({self.group_size}), "
+                             f"or every group is dropped as too_few_members")
+        return self
+
+    @model_validator(mode="after")
+    def _no_advantage_rules_without_advantages(self) -> StreamsSettings:
+        # With advantage "none" the learner computes the advantages; a streams-side rule on them would be lost.
+        if self.advantage == "none":
+            rules = [name for name, on in (("adv_norm erpo", self.adv_norm == "erpo"),
+                                           ("positive_only_steps", self.positive_only_steps > 0)) if on]
+            if rules:
+                raise ValueError(f"advantage none leaves the advantages to the learner: {', '.join(rules)} cannot apply")
         return self
 
     @model_validator(mode="after")

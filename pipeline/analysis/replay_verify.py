@@ -23,7 +23,7 @@ from pipeline.analysis.replay_columns import action_tokens
 from pipeline.analysis.replay_records import ReplayRecord
 from schemas import eventref, topics
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
-from streams.settings import StdKind, StreamsSettings
+from streams.settings import Advantage, StdKind, StreamsSettings
 
 TASK_ERROR = "task_error"
 
@@ -45,6 +45,9 @@ class VerifySettings(BaseModel):
     task_adv_norm: bool = True
     """Whether the run task-normalized its advantages (`streams.task_adv_norm`); off, each item's final
     advantage must equal its GRPO group advantage."""
+    advantage: Advantage = "group"
+    """Whether the run's streams computed advantages (`streams.advantage`); "none" (SAO, whose learner computes
+    them), every member's and every item's advantage must be 0."""
     logprob_tolerance: float = Field(1e-4, gt=0)
     """Largest accepted difference between the rollout log-probs of two copies of one trajectory: a
     re-rollout repeats every token, but its log-probs come from another engine batch (measured: 5e-7)."""
@@ -292,6 +295,8 @@ def _check_groups(groups: list[Mapping[str, Any]], first_trajectory: Mapping[str
         trajs = [m["trajectory"] for m in members]
         masked = [t["status"] == TASK_ERROR for t in trajs]
         values, mean, sd = grpo([t["reward"] for t in trajs], masked, s)
+        if s.advantage == "none":  # the reward statistics are still the group's
+            values = np.zeros(len(trajs))
         counted = [t["reward"] for t, m in zip(trajs, masked) if not m]
         if counted and not (_close(g["reward_mean"], float(np.mean(counted)), s.tolerance)
                             and _close(g["reward_std"], sd, s.tolerance)):

@@ -1,23 +1,25 @@
 """`rollstream loss`: the learner's policy loss on per-token arrays from a JSON file, for checking its numerics.
 
-Uses exactly the function the learner's training step calls (learner.loss.policy_loss), on the
-arrays as given: no model, no shift (position t of every list is the same token). float64, so the
-printed values are the formula's; the learner computes in float32.
+Uses exactly the functions the learner's training step calls (learner.loss.policy_loss; with
+`--loss sao`, learner.sao.batch_gae then learner.loss.dis_policy_loss), on the arrays as given: no
+model, no shift (position t of every list is the same token). float64, so the printed values are the
+formula's; the learner computes in float32.
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 import typer
 from pydantic import ValidationError
 
-from learner.loss import policy_loss
-from learner.settings import ISCorrection, ISLevel, LearnerSettings, PolicyLoss
+from learner.loss import dis_policy_loss, policy_loss
+from learner.sao import batch_gae
+from learner.settings import ISCorrection, ISLevel, LearnerSettings
 from pipeline.cli.toolkit import App, JsonOption, fail, read_json_lists
 from pipeline.run.config import validation_message
 
@@ -26,10 +28,17 @@ app = App()
 _ARRAYS = ("logprobs", "old_logprobs", "ref_logprobs", "advantages", "loss_mask")
 _OPTIONAL_ARRAYS = ("prox_logprobs",)
 _SETTINGS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "kl_coef", "kl_clamp", "is_cap")
+# --loss sao: the critic's values instead of advantages, and one reward per sequence (learner/sao.py)
+_SAO_ARRAYS = ("logprobs", "old_logprobs", "ref_logprobs", "values", "loss_mask")
+_SAO_SETTINGS = ("gae_gamma", "gae_lambda", "dis_low", "dis_high", "kl_coef", "kl_clamp")
 _DEFAULTS = LearnerSettings()
+Loss = Literal["ppo", "cispo", "decoupled", "sao"]
+"""learner.policy_loss, or "sao" for learner.advantage_estimator sao (its own actor loss)."""
 
 
-def _read(path: Path) -> dict[str, Any]:
+def _read(path: Path, sao: bool) -> dict[str, Any]:
+    if sao:
+        return read_json_lists(path, _SAO_ARRAYS + ("rewards",), known=_SAO_ARRAYS + ("rewards",) + _SAO_SETTINGS)
     return read_json_lists(path, _ARRAYS, known=_ARRAYS + _OPTIONAL_ARRAYS + _SETTINGS)
 
 
@@ -66,7 +75,8 @@ def loss(
     input_path: Path = typer.Option(..., "--input", help="JSON object with logprobs, old_logprobs, ref_logprobs, "
                                     "advantages, loss_mask (one list per sequence), optionally prox_logprobs and "
                                     "settings by name."),
-    objective: PolicyLoss = typer.Option(_DEFAULTS.policy_loss, "--loss", help="learner.policy_loss."),
+    objective: Loss = typer.Option(_DEFAULTS.policy_loss, "--loss", help="learner.policy_loss, or sao "
+                                   "(learner.advantage_estimator sao: values and rewards instead of advantages)."),
     is_correction: ISCorrection = typer.Option(_DEFAULTS.is_correction, "--is", help="learner.is_correction."),
     is_level: ISLevel = typer.Option(_DEFAULTS.is_level, "--is-level", help="learner.is_level."),
     as_json: JsonOption = False,
@@ -103,8 +113,22 @@ def loss(
     cispo:      pg = -w * sg(clip(r, 1-e_low, 1+e_high)) * A * lp
     kl = clamp(exp(ref - lp) - (ref - lp) - 1, -kl_clamp, kl_clamp)
     loss = mean(pg) + kl_coef * mean(kl), means over loss_mask 1 tokens
+
+    --loss sao (SAO, seed 000 §7.1) takes values (V of the state before
+    each token) and rewards (one number per sequence) instead of advantages,
+    and the settings gae_gamma, gae_lambda, dis_low, dis_high, kl_coef,
+    kl_clamp. Over each sequence's loss_mask 1 tokens k = 0..K-1 in order
+    (the tokens between them skipped), with V_K = 0:
+
+    delta_k = [k = K-1] R + gae_gamma * V_{k+1} - V_k
+    A_k = delta_k + gae_gamma * gae_lambda * A_{k+1};  G_k = A_k + V_k
+    rho = exp(lp - behav);  gate = 1 if dis_low <= rho <= dis_high, else 0
+    pg = -gate * A * rho;  value_loss = mean 0.5 * (V - G)^2
     """
-    data = _read(input_path)
+    if objective == "sao":
+        _sao_loss(input_path, is_correction, is_level, as_json)
+        return
+    data = _read(input_path, sao=False)
     try:
         settings = LearnerSettings(policy_loss=objective, is_correction=is_correction, is_level=is_level,
                                    **{k: data[k] for k in _SETTINGS if k in data})
@@ -145,3 +169,55 @@ def loss(
     for name, value in result["metrics"].items():
         if name not in ("actor/pg_loss", "actor/kl_loss"):
             typer.echo(f"{name.removeprefix('actor/'):<18} {value:+.6g}")
+
+
+def _sao_loss(input_path: Path, is_correction: ISCorrection, is_level: ISLevel, as_json: bool) -> None:
+    """--loss sao: skip-observation GAE from the values and rewards, then SAO's DIS-gated actor loss."""
+    data = _read(input_path, sao=True)
+    try:
+        settings = LearnerSettings(advantage_estimator="sao", is_correction=is_correction, is_level=is_level,
+                                   **{k: data[k] for k in _SAO_SETTINGS if k in data})
+    except ValidationError as e:
+        fail(f"invalid settings: {validation_message(e)}")
+    arrays = _padded(data, _SAO_ARRAYS)
+    rewards = data["rewards"]
+    if len(rewards) != arrays["loss_mask"].shape[0] or not all(
+            isinstance(r, (int, float)) and not isinstance(r, bool) for r in rewards):
+        fail(f"invalid input: rewards must hold one number per sequence ({arrays['loss_mask'].shape[0]})")
+    advantages, returns = batch_gae(arrays["values"].numpy(), arrays["loss_mask"].numpy(), np.asarray(rewards, float),
+                                    settings.gae_gamma, settings.gae_lambda)  # (B, T) each
+    advantages_t, returns_t = torch.from_numpy(advantages), torch.from_numpy(returns)
+    logprobs = arrays["logprobs"].clone().requires_grad_(True)  # (B, T)
+    try:
+        total, metrics = dis_policy_loss(
+            logprobs, arrays["old_logprobs"], arrays["ref_logprobs"], advantages_t, arrays["loss_mask"],
+            torch.zeros_like(logprobs), int(arrays["loss_mask"].sum()), dis_low=settings.dis_low,
+            dis_high=settings.dis_high, kl_coef=settings.kl_coef, kl_clamp=settings.kl_clamp, entropy_coef=0.0)
+    except ValueError as e:
+        fail(f"invalid input: {e}")
+    total.backward()
+    action = arrays["loss_mask"] > 0
+    value_loss = 0.5 * float(((arrays["values"] - returns_t)[action] ** 2).mean())
+    lengths = [len(row) for row in data["logprobs"]]
+    result: dict[str, Any] = {
+        "loss": float(total.detach()),
+        "pg_loss": float(metrics["actor/pg_loss"]),
+        "kl_loss": float(metrics["actor/kl_loss"]),
+        "value_loss": value_loss,
+        "metrics": {name: float(value) for name, value in metrics.items() if name != "actor/entropy"},
+        "advantages": [advantages[b, :n].tolist() for b, n in enumerate(lengths)],
+        "returns": [returns[b, :n].tolist() for b, n in enumerate(lengths)],
+        "grad_logprobs": [logprobs.grad[b, :n].tolist() for b, n in enumerate(lengths)],
+    }
+    if as_json:
+        typer.echo(json.dumps(result))
+        return
+    typer.echo(f"sao (gamma {settings.gae_gamma}, lambda {settings.gae_lambda}, DIS [{settings.dis_low}, "
+               f"{settings.dis_high}])")
+    for name in ("loss", "pg_loss", "kl_loss", "value_loss"):
+        typer.echo(f"{name:<18} {result[name]:+.6g}")
+    for name, value in result["metrics"].items():
+        if name not in ("actor/pg_loss", "actor/kl_loss"):
+            typer.echo(f"{name.removeprefix('actor/'):<18} {value:+.6g}")
+    for b, row in enumerate(result["advantages"]):
+        typer.echo(f"advantages[{b}]      " + " ".join(f"{a:+.4g}" for a in row))

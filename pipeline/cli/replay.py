@@ -168,7 +168,8 @@ def replay_verify(
 ) -> None:
     """Recompute a run's GRPO and task-normalized advantages and token invariants from its topics;
     print each check and every mismatch; exit 1 when there is any. Give the run's --config when it
-    turned task normalization off (`streams.task_adv_norm: false`).
+    turned task normalization off (`streams.task_adv_norm: false`) or left the advantages to the
+    learner (`streams.advantage: none`, SAO).
 
     Example:
 
@@ -185,7 +186,8 @@ def replay_verify(
     finally:
         progress.close()
     _report_missing_payloads(stats)
-    report = verify(records, VerifySettings(std=std, task_adv_norm=cfg.streams.task_adv_norm), run=run, undecodable=stats.undecodable_by_topic)
+    settings = VerifySettings(std=std, task_adv_norm=cfg.streams.task_adv_norm, advantage=cfg.streams.advantage)
+    report = verify(records, settings, run=run, undecodable=stats.undecodable_by_topic)
     if as_json:
         typer.echo(json.dumps(report.as_dict()))
     else:

@@ -203,6 +203,11 @@ class RollstreamConfig(BaseSettings):
             raise ValueError(f"learner.stale_step ({self.learner.stale_step}) must equal streams.stale_step "
                              f"({self.streams.stale_step}): the learner keeps and broadcasts the versions the stale "
                              f"pool loads (leave learner.stale_step out: it follows streams.stale_step)")
+        if self.learner.sao != (self.streams.advantage == "none"):
+            raise ValueError(f"learner.advantage_estimator {self.learner.advantage_estimator!r} needs streams.advantage "
+                             f"{'none' if self.learner.sao else 'group'!r} (it is {self.streams.advantage!r}): SAO's "
+                             f"learner computes the advantages from the rewards, any other learner trains on the "
+                             f"batch's")
         if self.mix.val_families and self.max_steps % self.mix.val_interval:
             raise ValueError(f"max_steps ({self.max_steps}) must be a multiple of mix.val_interval "
                              f"({self.mix.val_interval}) so the run ends with a validation round")

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from learner import distributed
 from learner.checkpoint import TrainingState
 from learner.process import PROMETHEUS, LearnerLoop, ResumeError, TemplateMismatch
+from learner.sao import make_critic
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.engine.broadcaster import EngineBroadcaster, PoolBroadcaster
@@ -87,6 +88,9 @@ def run_learner(cfg: RollstreamConfig, settings: LearnerSettings, job: LearnerJo
     # torchrun's variables: the only place the process reads them.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and settings.sao:
+        raise LearnerRefused("learner.advantage_estimator sao trains its critic in one process: run the learner "
+                             "without torchrun")
     if world > 1:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     if rank == 0:  # the one rank that talks to the rest of the run
@@ -118,10 +122,11 @@ def _lead(cfg: RollstreamConfig, settings: LearnerSettings, job: LearnerJob, pol
         producer = EventProducer(cfg.kafka, client_id=f"learner-{job.run}")
         mc = objectstore.client(cfg.object_store)
         objectstore.ensure_buckets(mc, [topics.WEIGHTS_BUCKET, topics.CHECKPOINTS_BUCKET])
+        critic = make_critic(model, settings) if settings.sao else None
         loop = LearnerLoop(
             run=job.run, settings=settings, model=model, optimizer=optimizer,
-            broadcaster=_broadcaster(job, settings),
-            step_fn=functools.partial(train_step, model, ref, optimizer, settings=settings),
+            broadcaster=_broadcaster(job, settings), critic=critic,
+            step_fn=functools.partial(train_step, model, ref, optimizer, settings=settings, critic=critic),
             model_config=model_config, template_fingerprint=policy_template(job.model_path),
             max_steps=job.max_steps, idle_exit_s=job.idle_exit_s, kafka=cfg.kafka, mc=mc, producer=producer,
             should_stop=lambda: stop.set, progress=progress,

@@ -15,8 +15,9 @@ the variants are compared on the same task orders and, where their prompts and w
 validation round before training), on the same samples.
 
 The variants are the AgentRL paper's ablations, the batch construction options of other papers
-(RAGEN, ERPO, ScalingInter-RL, ...) and policy loss options (MiniMax-M1, AReaL, IcePop, ROLL), as
-configuration overrides in one table (VARIANTS).
+(RAGEN, ERPO, ScalingInter-RL, ...), policy loss options (MiniMax-M1, AReaL, IcePop, ROLL) and SAO
+(seed 000 §7.1: group size 1 with the learner's critic), as configuration overrides in one table
+(VARIANTS).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "decoupled-tis": {"learner": {"policy_loss": "decoupled", "is_correction": "tis"}},  # AReaL + weight min(rho, 2)
     "icepop": {"learner": {"is_correction": "icepop"}},  # tokens whose rho leaves [0.5, 2] masked
     "ipa": {"learner": {"is_level": "chunk"}},  # ROLL's IPA: ratios per assistant turn
+    # SAO (seed 000 §7.1, ARCHITECTURE.md "SAO"): one sample per task, the learner's critic and skip-observation
+    # GAE, DIS-gated actor. 48 single-trajectory groups per batch: the trajectories configs/cpu.yaml's 6 groups of
+    # 8 give; critic_lr for its 256-wide policy over 24 steps (verl's 1e-5 barely moves a linear head that narrow)
+    "sao": {"streams": {"group_size": 1, "min_members": 1, "advantage": "none", "batch_size": 48},
+            "learner": {"advantage_estimator": "sao", "critic_lr": 1e-3}},
 }
 """Variant name -> the configuration overrides it runs with (nested as in the YAML file)."""
 

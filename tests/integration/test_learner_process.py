@@ -15,11 +15,11 @@ import torch
 from confluent_kafka import Consumer, TopicPartition
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from learner import publish
+from learner import checkpoint, publish, sao
 from learner.manifest import read_version
 from learner.process import LearnerLoop, ReferenceMismatch, ResumeError, batch_items
 from learner.settings import LearnerSettings
-from learner.step import make_optimizer, train_step
+from learner.step import make_optimizer, steps_taken, train_step
 from pipeline.engine.updates import download_version
 from pipeline.policy.loading import load_policy
 from schemas import arrays, eventref, objectstore, samples, topics
@@ -95,8 +95,9 @@ def staged_tensors(mc, event: dict) -> dict[str, torch.Tensor]:
 def make_loop(infra, run: str, model_dir: Path, settings: LearnerSettings = SETTINGS, **loop) -> LearnerLoop:
     model, ref, config = load_policy(model_dir)
     optimizer = make_optimizer(model, settings)
-    return LearnerLoop(run=run, settings=settings, model=model, optimizer=optimizer,
-                       step_fn=functools.partial(train_step, model, ref, optimizer, settings=settings),
+    critic = sao.make_critic(model, settings) if settings.sao else None
+    return LearnerLoop(run=run, settings=settings, model=model, optimizer=optimizer, critic=critic,
+                       step_fn=functools.partial(train_step, model, ref, optimizer, settings=settings, critic=critic),
                        model_config=config, **loop,
                        kafka=infra.kafka, mc=objectstore.client(infra.object_store),
                        producer=EventProducer(infra.kafka), broadcaster=lambda tensors, version: ["current"])
@@ -150,6 +151,57 @@ def test_learner_publishes_one_verified_version_per_batch_and_skips_repeats(infr
             names.add(e.value["name"])
     metrics_consumer.close()
     assert expected <= names
+
+
+def make_sao_batch(run: str, index: int, members: int = 4) -> dict:
+    """A batches event as the streams send it with streams.advantage "none" (SAO): groups of one, advantage 0,
+    each trajectory two assistant turns with the environment's answer between them, and its reward."""
+    rng = np.random.default_rng(100 + index)
+    batch = make_batch(run, index, members)
+    for member, item in enumerate(batch["items"]):
+        t = item["trajectory"]
+        prompt, turn, env = int(rng.integers(3, 6)), int(rng.integers(3, 7)), int(rng.integers(2, 5))
+        mask = np.array([0] * prompt + [1] * turn + [0] * env + [1] * turn, dtype=np.uint8)
+        n = len(mask)
+        t.update(group_id=f"{run}-g{index}-{member}", group_size=1, member=0, num_tokens=n, prompt_tokens=prompt,
+                 reward=float(rng.choice([1.0, 0.0, -0.2])), input_ids=arrays.pack_ids(rng.integers(0, 300, n)),
+                 loss_mask=arrays.pack_mask(mask), rollout_logprobs=arrays.pack_logprobs(-rng.exponential(1.0, n) * mask))
+        item.update(group_advantage=0.0, advantage=0.0)
+    batch["group_ids"] = [i["trajectory"]["group_id"] for i in batch["items"]]
+    return batch
+
+
+def test_the_learner_trains_with_sao_checkpoints_its_critic_and_publishes_the_policy_alone(infra, tmp_path):
+    run = f"learner-sao-{uuid.uuid4().hex[:10]}"
+    model_dir = save_tiny_model(tmp_path / "model")
+    produce(infra, [make_sao_batch(run, i) for i in range(3)])
+    settings = LearnerSettings(**{**SETTINGS.model_dump(), "advantage_estimator": "sao", "critic_lr": 1e-2,
+                                  "poll_timeout_s": 0.2})
+    loop = make_loop(infra, run, model_dir, settings, max_steps=3, idle_exit_s=30)
+    head_before = loop.critic.head.linear.weight.detach().clone()
+    state = loop.loop(loop.start(resume=False))
+
+    assert state.step == 3
+    events = weight_events(infra, run, 4)
+    assert [e["version"] for e in events] == [0, 1, 2, 3]
+    # engines get the policy's tensors and nothing else (the tied lm_head once, as the embedding)
+    newest = staged_tensors(loop.mc, events[-1])
+    policy = loop.model.state_dict()
+    assert set(newest) == set(policy) - {"lm_head.weight"}
+    for name, tensor in newest.items():
+        assert torch.equal(tensor, policy[name]), name
+    # the checkpoint (steps 2 and 3) keeps the critic beside the policy, trained twice per step
+    assert not torch.equal(loop.critic.head.linear.weight, head_before)
+    saved = checkpoint.load_latest(loop.mc, run)
+    assert saved.state.step == 3 and set(saved.model) == set(policy)
+    assert torch.equal(saved.critic["head"]["linear.weight"], loop.critic.head.linear.weight.detach())
+    assert steps_taken(loop.critic.optimizer) == 2 * 3
+    # a resumed learner continues with that critic, not a zero one
+    resumed = make_loop(infra, run, model_dir, settings, max_steps=3, idle_exit_s=30)
+    assert not resumed.critic.head.linear.weight.detach().abs().sum() > 0
+    resumed.start(resume=True)
+    assert torch.equal(resumed.critic.head.linear.weight, loop.critic.head.linear.weight)
+    assert steps_taken(resumed.critic.optimizer) == 2 * 3
 
 
 def test_a_fresh_start_on_a_run_with_versions_is_refused(infra, tmp_path):

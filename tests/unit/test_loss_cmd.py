@@ -13,6 +13,7 @@ import pytest
 from helpers.tiny_learner import multi_turn_batch, shifted_logprobs, tiny_model
 from typer.testing import CliRunner
 
+from learner.sao import make_critic
 from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 from pipeline.cli.loss import app
@@ -194,6 +195,50 @@ def test_prox_logprobs_default_to_logprobs(tmp_path):
     assert without["loss"] == with_prox["loss"] and without["grad_logprobs"] == with_prox["grad_logprobs"]
 
 
+# --- --loss sao: skip-observation GAE from values and rewards, then the DIS-gated actor loss ---
+
+SAO_EXAMPLE = {  # two assistant turns (positions 1-2, 5-6) with the environment's answer (3-4) between them
+    "logprobs": [[0.0, math.log(1.5), math.log(0.4), 0.0, 0.0, 0.0, math.log(2.0), 0.0]],
+    "old_logprobs": [[0.0] * 8], "ref_logprobs": [[0.0, math.log(1.5), math.log(0.4), 0.0, 0.0, 0.0, math.log(2.0), 0.0]],
+    "values": [[9.0, 0.2, 0.4, 7.0, 7.0, 0.5, 0.7, 9.0]], "loss_mask": [[0, 1, 1, 0, 0, 1, 1, 0]], "rewards": [2.0],
+    "gae_gamma": 0.9, "gae_lambda": 0.5,
+}
+
+
+def test_sao_example_skips_the_environments_tokens_and_gates_the_out_of_bound_ratio(tmp_path):
+    out = run_json(tmp_path, SAO_EXAMPLE, "--loss", "sao")
+    # as tests/unit/test_sao.py works it out: the turn's last token bootstraps from the next turn's first
+    advantages = [0.0, 0.3272875, 0.37175, 0.0, 0.0, 0.715, 1.3, 0.0]
+    assert out["advantages"][0] == pytest.approx(advantages)
+    assert out["returns"][0] == pytest.approx([0.0, 0.5272875, 0.77175, 0.0, 0.0, 1.215, 2.0, 0.0])
+    # rho = 1.5, 0.4 (below 0.5: masked), 1.0, 2.0 (on the bound: kept)
+    assert out["pg_loss"] == pytest.approx(-(1.5 * 0.3272875 + 1.0 * 0.715 + 2.0 * 1.3) / 4)
+    assert out["grad_logprobs"][0] == pytest.approx([0.0, -1.5 * 0.3272875 / 4, 0.0, 0.0, 0.0, -0.715 / 4,
+                                                     -2.0 * 1.3 / 4, 0.0])
+    assert out["metrics"]["actor/pg_clipfrac"] == pytest.approx(1 / 4)
+    assert out["value_loss"] == pytest.approx(0.5 * ((0.5272875 - 0.2) ** 2 + (0.77175 - 0.4) ** 2
+                                                     + (1.215 - 0.5) ** 2 + (2.0 - 0.7) ** 2) / 4)
+
+
+def test_sao_command_agrees_with_the_learners_sao_step(tmp_path, step_inputs):
+    model, ref, items, data = step_inputs
+    settings = LearnerSettings(kl_coef=0.05, max_tokens_per_micro_batch=40, advantage_estimator="sao")
+    actor = copy.deepcopy(model)
+    critic = make_critic(actor, settings)  # zero: every value of the step's first pass is 0
+    step = train_step(actor, copy.deepcopy(ref), make_optimizer(actor, settings), items, settings, critic=critic)
+    assert step["actor/micro_batches"] > 1 and step["actor/pg_clipfrac"] > 0
+    sao_data = {**{k: v for k, v in data.items() if k != "advantages"}, "kl_coef": 0.05,
+                "values": [[0.0] * len(row) for row in data["loss_mask"]], "rewards": [item[3] for item in items]}
+    out = run_json(tmp_path, sao_data, "--loss", "sao")
+    for name in ("loss", "pg_loss", "kl_loss"):
+        assert out[name] == pytest.approx(step[f"actor/{name}"], rel=1e-4, abs=1e-6), name
+    for name, value in out["metrics"].items():
+        assert value == pytest.approx(step[name], rel=1e-4, abs=1e-5), name
+    action = [a for row, mask in zip(out["advantages"], data["loss_mask"]) for a, m in zip(row, mask) if m]
+    assert float(np.mean(action)) == pytest.approx(step["actor/advantage_mean"], rel=1e-5)
+    assert out["value_loss"] == pytest.approx(step["critic/value_loss"], rel=1e-4)
+
+
 # --- user errors ---
 
 @pytest.mark.parametrize("data, args, message", [
@@ -207,6 +252,11 @@ def test_prox_logprobs_default_to_logprobs(tmp_path):
     ({**EXAMPLE, "loss_mask": [[0, 2]]}, (), "loss_mask holds values other than 0 and 1"),
     ({**EXAMPLE, "loss_mask": [[0, 0]]}, (), "no action tokens"),
     ({**EXAMPLE, "is_cap": 0.5}, (), "invalid settings: is_cap"),
+    ({k: v for k, v in SAO_EXAMPLE.items() if k != "rewards"}, ("--loss", "sao"), "lacks the list(s) rewards"),
+    ({**SAO_EXAMPLE, "rewards": [1.0, 2.0]}, ("--loss", "sao"), "rewards must hold one number per sequence (1)"),
+    ({**SAO_EXAMPLE, "advantages": [[0.0] * 8]}, ("--loss", "sao"), "unknown key(s) advantages"),
+    ({**SAO_EXAMPLE, "dis_low": 1.5}, ("--loss", "sao"), "invalid settings: dis_low"),
+    (SAO_EXAMPLE, ("--loss", "sao", "--is", "tis"), "is_correction 'tis' does not apply"),
 ])
 def test_bad_input_is_one_line_and_nonzero_exit(tmp_path, data, args, message):
     result = run(tmp_path, data, *args)
@@ -227,5 +277,6 @@ def test_missing_file_is_a_user_error(tmp_path):
 def test_help_shows_an_example_and_each_formula():
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0 and "rollstream loss --input" in result.stdout
-    for term in ("cispo:", "decoupled:", "--is tis:", "--is icepop:", "chunk", "kl = clamp("):
+    for term in ("cispo:", "decoupled:", "--is tis:", "--is icepop:", "chunk", "kl = clamp(", "--loss sao",
+                 "gate = 1 if dis_low"):
         assert term in result.stdout, term

@@ -57,11 +57,11 @@ def rollout(gid: str, member: int, reward: float, *, task: str, status: str = "c
     return trajectory, steps
 
 
-def group_event(trajectories: list[dict], ready_ms: int) -> dict:
+def group_event(trajectories: list[dict], ready_ms: int, streams: StreamsSettings = STREAMS) -> dict:
     state = None
     for t in trajectories:
         state = aggregation.add_member(state, t, ready_ms - 10).state
-    decision = aggregation.decide(state, ready_ms, 0, STREAMS)
+    decision = aggregation.decide(state, ready_ms, 0, streams)
     assert decision.action == "emit"
     return decision.group
 
@@ -81,7 +81,7 @@ def synthetic_run(streams: StreamsSettings = STREAMS) -> dict[str, list[ReplayRe
             members.append(t)
             steps += s
         trajectories += members
-        groups[gid] = group_event(members, ready)
+        groups[gid] = group_event(members, ready, streams)
     batches = [batching.build_batch(RUN, 0, 0, [groups["g0"], groups["g1"]], streams, 1000),
                batching.build_batch(RUN, 1, 1, [groups["g2"]], streams, 2000)]
     weights = [{**samples.weight_version(), "run": RUN, "version": v, "step": v, "batch_id": b}
@@ -140,7 +140,7 @@ def test_report_is_json_serializable_and_says_ok(run):
     data = json.loads(json.dumps(verify(run, run=RUN).as_dict()))
     assert data["ok"] is True and data["mismatches"] == 0
     assert data["settings"] == {"std": "bessel", "eps": 1e-6, "tolerance": 1e-4, "task_adv_norm": True,
-                                "logprob_tolerance": 1e-4}
+                                "advantage": "group", "logprob_tolerance": 1e-4}
     assert data["checks"][0]["name"] == "trajectory_ids_unique"
 
 
@@ -180,6 +180,13 @@ def test_run_without_task_normalization_verifies_only_when_told_so():
     assert failing(plain, VerifySettings(task_adv_norm=False)) == {}
     assert set(failing(plain)) == {"task_normalized_advantages"}
     assert set(failing(synthetic_run(), VerifySettings(task_adv_norm=False))) == {"task_normalized_advantages"}
+
+
+def test_run_whose_streams_left_the_advantages_to_the_learner_verifies_only_when_told_so():
+    sao = synthetic_run(STREAMS.model_copy(update={"advantage": "none"}))
+    assert failing(sao, VerifySettings(advantage="none")) == {}
+    assert {"grpo_advantages", "batch_group_advantages"} <= set(failing(sao))
+    assert "grpo_advantages" in failing(synthetic_run(), VerifySettings(advantage="none"))
 
 
 def test_wrong_normalized_advantage_is_reported(run):
