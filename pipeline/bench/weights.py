@@ -22,6 +22,7 @@ full-version bytes per second (pipeline/bench/weights_logic.py).
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import tempfile
 import time
@@ -61,22 +62,76 @@ def _fail(message: str) -> None:
     raise typer.Exit(code=2)
 
 
-def _late_join(mc, event: dict[str, Any], expected: dict[str, torch.Tensor], work: Path) -> dict[str, Any]:
-    """An engine holding nothing rebuilds `event`'s version; bit_identical compares every tensor's sha256."""
+def _late_join(mc, event: dict[str, Any], expected: dict[str, str], work: Path) -> dict[str, Any]:
+    """An engine holding nothing rebuilds `event`'s version; bit_identical compares every tensor's sha256
+    with the learner's (`expected`, by tensor name)."""
     directory = work / f"late-{uuid.uuid4().hex[:8]}" / f"v{event['version']:06d}"
     started = time.perf_counter()
     download_version(mc, event, directory)
     seconds = time.perf_counter() - started
     _, tensors = read_version(directory)
-    identical = list(tensors) == list(expected) and all(
-        tensor_sha256(tensors[n]) == tensor_sha256(t) for n, t in expected.items())
+    identical = list(tensors) == list(expected) and all(tensor_sha256(tensors[n]) == h for n, h in expected.items())
     return {"version": event["version"], "chain_length": event["version"] + 1, "seconds": round(seconds, 3),
             "bit_identical": identical}
 
 
+def _learner_phase(mc, model_dir: Path, prefix: str, steps: int, runs: list[str], work: Path, say
+                   ) -> tuple[list[dict[str, Any]], tuple[list[dict[str, Any]], int] | None]:
+    """Per (dtype, lr): the versions staged after each real learner step and the late joiner's rebuild;
+    and the events (with the full version's bytes) the engine follows. A function of its own so that
+    everything the learner held (policy, reference, AdamW, the stagers' previous versions: ~17 GB at
+    0.5B) is freed before an engine starts beside this process (the first 0.5B run was killed for memory)."""
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config_dict = json.loads(policy.config.to_json_string())
+    aliases = tied_aliases(policy)
+    items = synthetic_batch(SEQUENCES, policy.config.vocab_size, np.random.default_rng(0))
+    settings: list[dict[str, Any]] = []
+    followed: tuple[list[dict[str, Any]], int] | None = None
+    for lr in LEARNING_RATES:
+        # Every setting starts from the checkpoint's weights, read again rather than kept: at 0.5B
+        # a held copy is 2 GB of the ~20 GB the learner side needs (it was killed for memory).
+        policy.load_state_dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict())
+        ref = copy.deepcopy(policy).requires_grad_(False).eval()
+        learner_settings = LearnerSettings(lr=lr, snapshot_interval=steps + 1)
+        optimizer = make_optimizer(policy, learner_settings)
+        stagers = {d: VersionStager(mc, f"{prefix}-{d}-{lr:g}", snapshot_interval=steps + 1,
+                                    max_shard_bytes=learner_settings.max_shard_bytes,
+                                    zstd_level=learner_settings.delta_zstd_level) for d in DTYPES}
+        runs.extend(s.run for s in stagers.values())
+        rows: dict[str, list[dict[str, Any]]] = {d: [] for d in DTYPES}
+        events: dict[str, list[dict[str, Any]]] = {d: [] for d in DTYPES}
+        last: dict[str, dict[str, str]] = {}  # the newest version's sha256 per tensor, per dtype
+        for version in range(steps + 1):
+            if version:
+                metrics = train_step(policy, ref, optimizer, items, learner_settings)
+                say(f"lr {lr:g}: step {version}, {metrics['timing/actor_s']:.1f} s")
+            weights = without_aliases(policy.state_dict(), aliases)
+            for dtype in DTYPES:
+                tensors = served_tensors(weights, dtype)
+                started = time.perf_counter()
+                staged = stagers[dtype].stage(tensors, version=version, step=version, config=config_dict)
+                stage_s = time.perf_counter() - started
+                size = sum(s.size_bytes for s in staged.manifest.shards)
+                full = rows[dtype][0]["staged_bytes"] if rows[dtype] else size
+                rows[dtype].append(version_row(version, staged.manifest.kind, size, full, stage_s))
+                events[dtype].append(weight_version_event(staged, batch_id=None, broadcast_pools=[],
+                                                          published_at_ms=now_ms()))
+                last[dtype] = {k: tensor_sha256(v) for k, v in tensors.items()}
+                del tensors
+        for dtype in DTYPES:
+            late = _late_join(mc, events[dtype][-1], last[dtype], work)
+            say(f"{dtype}, lr {lr:g}: late joiner rebuilt version {late['version']} in {late['seconds']} s, "
+                f"bit identical: {late['bit_identical']}")
+            settings.append(setting_summary(dtype, lr, rows[dtype], late))
+            if (dtype, lr) == ENGINE_SETTING:
+                followed = (events[dtype], rows[dtype][0]["full_bytes"])
+        del ref, optimizer
+    return settings, followed
+
+
 def bench_weights(
     model: str | None = typer.Option(None, "--model", help=f"Checkpoint directory, or {RANDOM_LARGE} (Qwen2.5-0.5B's "
-                                     "shape, random weights; ~8 GB and minutes on CPU); default: a fresh `model init`."),
+                                     "shape, random weights; ~18 GB of memory and ~30 minutes on two CPU cores); default: a fresh `model init`."),
     steps: int = typer.Option(10, "--steps", help="Learner steps (delta versions) per setting."),
     engine: bool = typer.Option(True, "--engine/--no-engine", help="Time event -> served on a real engine."),
     config: Path | None = typer.Option(None, "--config", help="YAML configuration file (Kafka and MinIO)."),
@@ -112,50 +167,9 @@ def bench_weights(
             init_model(PolicyModelSettings(), model_dir)
         else:
             model_dir = Path(model)
-        policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config_dict = json.loads(policy.config.to_json_string())
-        initial = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-        aliases = tied_aliases(policy)
-        items = synthetic_batch(SEQUENCES, policy.config.vocab_size, np.random.default_rng(0))
-        settings: list[dict[str, Any]] = []
-        followed: tuple[list[dict[str, Any]], int] | None = None
         try:
-            for lr in LEARNING_RATES:
-                policy.load_state_dict(initial)
-                ref = copy.deepcopy(policy).requires_grad_(False).eval()
-                learner_settings = LearnerSettings(lr=lr, snapshot_interval=steps + 1)
-                optimizer = make_optimizer(policy, learner_settings)
-                stagers = {d: VersionStager(mc, f"{prefix}-{d}-{lr:g}", snapshot_interval=steps + 1,
-                                            max_shard_bytes=learner_settings.max_shard_bytes,
-                                            zstd_level=learner_settings.delta_zstd_level) for d in DTYPES}
-                runs.extend(s.run for s in stagers.values())
-                rows: dict[str, list[dict[str, Any]]] = {d: [] for d in DTYPES}
-                events: dict[str, list[dict[str, Any]]] = {d: [] for d in DTYPES}
-                last: dict[str, dict[str, torch.Tensor]] = {}
-                for version in range(steps + 1):
-                    if version:
-                        metrics = train_step(policy, ref, optimizer, items, learner_settings)
-                        say(f"lr {lr:g}: step {version}, {metrics['timing/actor_s']:.1f} s")
-                    weights = without_aliases(policy.state_dict(), aliases)
-                    for dtype in DTYPES:
-                        tensors = served_tensors(weights, dtype)
-                        started = time.perf_counter()
-                        staged = stagers[dtype].stage(tensors, version=version, step=version, config=config_dict)
-                        stage_s = time.perf_counter() - started
-                        size = sum(s.size_bytes for s in staged.manifest.shards)
-                        full = rows[dtype][0]["staged_bytes"] if rows[dtype] else size
-                        rows[dtype].append(version_row(version, staged.manifest.kind, size, full, stage_s))
-                        events[dtype].append(weight_version_event(staged, batch_id=None, broadcast_pools=[],
-                                                                  published_at_ms=now_ms()))
-                        last[dtype] = {k: v.detach().clone() for k, v in tensors.items()}
-                for dtype in DTYPES:
-                    late = _late_join(mc, events[dtype][-1], last[dtype], work)
-                    say(f"{dtype}, lr {lr:g}: late joiner rebuilt version {late['version']} in {late['seconds']} s, "
-                        f"bit identical: {late['bit_identical']}")
-                    settings.append(setting_summary(dtype, lr, rows[dtype], late))
-                    if (dtype, lr) == ENGINE_SETTING:
-                        followed = (events[dtype], rows[dtype][0]["full_bytes"])
-                del ref, optimizer
+            settings, followed = _learner_phase(mc, model_dir, prefix, steps, runs, work, say)
+            gc.collect()
             update = None
             if engine and followed is not None:
                 update = _engine_updates(cfg, model_dir, followed[0], followed[1], work, say)
