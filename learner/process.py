@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from confluent_kafka import OFFSET_BEGINNING, OFFSET_STORED
+from confluent_kafka import OFFSET_BEGINNING, OFFSET_STORED, KafkaException
 from minio import Minio
 from prometheus_client import Gauge
 
@@ -338,12 +338,7 @@ class LearnerLoop:
 
     def loop(self, state: checkpoint.TrainingState) -> checkpoint.TrainingState:
         """Consumes `batches` until stopped; returns the final state (checkpointed)."""
-        consumer = EventConsumer(self.kafka, group_id=f"learner-{self.run}", topic_names=[], client_id="learner",
-                                 dlq=self.producer)
-        parts = eventref.retrying(lambda: consumer.end_offsets(topics.BATCHES), "reading the batches partitions",
-                                  on_retry=_broker_blip)
-        # From the checkpoint's offsets where known, else the group's committed offset (or the start).
-        consumer.assign({topics.BATCHES: {p: state.offsets.get(p, OFFSET_STORED) for p in parts}})
+        consumer = self._batches_consumer(state)
         applied = set(state.applied_batch_ids)
         uncommitted: list[ConsumedEvent] = []
         checkpointed_step = state.step
@@ -397,13 +392,13 @@ class LearnerLoop:
                 self._publish(state, batch_id=batch["batch_id"], checkpoint_now=due, metrics=metrics)
                 if due:
                     checkpointed_step = state.step
-                consumer.commit(uncommitted)  # only now: the version is durable and announced
-                uncommitted = []
+                # only now: the version is durable and announced
+                consumer, uncommitted = self._commit(consumer, uncommitted, state)
                 export_step(state.step, state.version, metrics)
                 self.progress(progress_line(state.step, state.version, metrics))
                 wait_started = self.clock()
-            if uncommitted:  # skipped batches only: nothing to make durable first
-                consumer.commit(uncommitted)
+            if uncommitted:  # skipped batches, or a commit that failed: nothing to make durable first
+                consumer, uncommitted = self._commit(consumer, uncommitted, state)
             if checkpointed_step != state.step or self.should_stop():
                 self._checkpoint(state)
         finally:
@@ -412,6 +407,39 @@ class LearnerLoop:
                 self._event_fetcher.close()
                 self._event_fetcher = None
         return state
+
+    def _batches_consumer(self, state: checkpoint.TrainingState) -> EventConsumer:
+        """A consumer of `batches` outside group management, placed where the learner stands."""
+        consumer = EventConsumer(self.kafka, group_id=f"learner-{self.run}", topic_names=[], client_id="learner",
+                                 dlq=self.producer)
+        parts = eventref.retrying(lambda: consumer.end_offsets(topics.BATCHES), "reading the batches partitions",
+                                  on_retry=_broker_blip)
+        # From the checkpoint's (or this process's) offsets where known, else the group's committed
+        # offset (or the start).
+        consumer.assign({topics.BATCHES: {p: state.offsets.get(p, OFFSET_STORED) for p in parts}})
+        return consumer
+
+    def _commit(self, consumer: EventConsumer, uncommitted: list[ConsumedEvent],
+                state: checkpoint.TrainingState) -> tuple[EventConsumer, list[ConsumedEvent]]:
+        """Commits past `uncommitted`; returns the consumer to go on with and what is still uncommitted.
+
+        A commit that fails is not worth the run: the learner's position is in its checkpoints
+        (state.offsets) and a batch applied twice is skipped by id, so the events stay uncommitted
+        for the next step. The consumer is replaced, placed at the offsets this process has reached:
+        after a broker restart librdkafka's assign()-mode consumer can keep a dead coordinator and
+        fail every commit (librdkafka #2791), while a new one finds the live one (a CI run's learner
+        exited after 120 s of such failures)."""
+        try:
+            consumer.commit(uncommitted, timeout_s=self.settings.commit_timeout_s)
+            return consumer, []
+        except KafkaException as e:
+            log.warning("committing %d batch offsets failed (%s): kept for the next step, with a new consumer "
+                        "at the offsets reached; the checkpoints hold the position", len(uncommitted), e)
+        try:
+            consumer.close()
+        except (KafkaException, RuntimeError) as e:  # a consumer whose broker is gone may not close cleanly
+            log.warning("closing the old batches consumer: %s", e)
+        return self._batches_consumer(state), uncommitted
 
     def _done(self, state: checkpoint.TrainingState) -> bool:
         if self.should_stop():

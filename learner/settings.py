@@ -81,6 +81,9 @@ class LearnerSettings(BaseModel):
     """Newest checkpoints kept (not in the paper; verl keeps all unless told otherwise)."""
     poll_timeout_s: float = Field(1.0, gt=0)
     """How long one poll of `batches` waits before the loop checks for a stop (not in the paper)."""
+    commit_timeout_s: float = Field(30.0, gt=0)
+    """How long transient errors of one `batches` offset commit are retried before the learner goes on
+    without it, with a new consumer (not in the paper; the checkpoints hold the learner's position)."""
     metrics_port: MetricsPort = None
     """Port of the learner's Prometheus /metrics, served by rank 0 (not in the paper): None none, 0 any free
     port (schemas/prometheus.py)."""

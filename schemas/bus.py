@@ -280,16 +280,17 @@ class EventConsumer:
             return None
         return ConsumedEvent(topic, msg.partition(), msg.offset(), msg.key(), value, msg.timestamp()[1])
 
-    def commit(self, events: Iterable[ConsumedEvent] | None = None) -> None:
-        """Commits (synchronously) past the given events, or past everything polled so far."""
+    def commit(self, events: Iterable[ConsumedEvent] | None = None, timeout_s: float = 120.0) -> None:
+        """Commits (synchronously) past the given events, or past everything polled so far; transient
+        errors are retried for up to timeout_s (commit_retrying)."""
         if events is None:
-            commit_retrying(self._consumer)
+            commit_retrying(self._consumer, timeout_s=timeout_s)
             return
         latest: dict[tuple[str, int], int] = {}
         for e in events:
             latest[(e.topic, e.partition)] = max(latest.get((e.topic, e.partition), -1), e.offset)
         if latest:
-            commit_retrying(self._consumer, [TopicPartition(t, p, o + 1) for (t, p), o in latest.items()])
+            commit_retrying(self._consumer, [TopicPartition(t, p, o + 1) for (t, p), o in latest.items()], timeout_s)
 
     def close(self) -> None:
         self._consumer.close()

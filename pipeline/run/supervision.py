@@ -18,6 +18,16 @@ class RunFailed(RuntimeError):
     """A process of the run ended on its own, or the run could not start."""
 
 
+def last_words(log_tail: str) -> str | None:
+    """The last line of a log that says something: librdkafka's own `%3|...` lines and progress bars
+    (a carriage return inside the line) are skipped, since they outlive the error that ended the process."""
+    for line in reversed(log_tail.splitlines()):
+        line = line.strip()
+        if line and not line.startswith("%") and "\r" not in line and not line.endswith("it/s]"):
+            return line[:300]
+    return None
+
+
 @dataclass
 class RestartBudget:
     """How many times each process of a run (child or engine, by name) may be started again after
@@ -106,7 +116,9 @@ class Stack:
                 continue
             n = self.budget.take(c.child.name, code, c.log_tail)
             c.log.close()
-            say(f"{c.child.name} exited with {code}: restarting it ({n} of {self.budget.limit})")
+            words = last_words(c.log_tail())
+            say(f"{c.child.name} exited with {code}: restarting it ({n} of {self.budget.limit})"
+                + (f"; its last words: {words}" if words and code not in (-9, -15) else ""))
             self.children[i] = RunningChild.start(c.child.restarted(), self.log_dir)
 
     def failed(self) -> RunningChild | None:

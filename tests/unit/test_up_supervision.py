@@ -11,7 +11,7 @@ import pytest
 from pipeline.engine.launch import EngineProcess
 from pipeline.run.interrupts import Interrupted, catch_interrupts
 from pipeline.run.plan import Child, with_metrics_port
-from pipeline.run.supervision import RestartBudget, RunFailed, Stack
+from pipeline.run.supervision import RestartBudget, RunFailed, Stack, last_words
 
 
 def _wait_exit(stack: Stack) -> None:
@@ -33,7 +33,16 @@ def test_a_dead_process_is_restarted_with_its_restart_arguments_then_the_run_fai
         stack.supervise(said.append)
     assert stack.restarts == {"worker": 2}
     assert "args:again" in (tmp_path / "worker.log").read_text()
-    assert said[0] == "worker exited with 3: restarting it (1 of 2)"
+    assert said[0] == "worker exited with 3: restarting it (1 of 2); its last words: args:sh"
+
+
+def test_a_restart_names_the_last_line_the_process_wrote_past_kafka_client_noise_and_progress_bars():
+    tail = ("step 5 v5 pg_loss +0.0\n"
+            "rollstream learner: Kafka: KafkaError{code=NOT_COORDINATOR}\n"
+            "%3|1796.1|FAIL|learner#consumer-3| [thrd:bootstrap]: Connect failed\n"
+            "Writing model shards: 100%|##| 1/1 [00:00<00:00, 439.70it/s]\n\n")
+    assert last_words(tail) == "rollstream learner: Kafka: KafkaError{code=NOT_COORDINATOR}"
+    assert last_words("%3|noise only\n") is None
 
 
 def test_a_finished_process_that_exited_zero_is_left_alone(tmp_path):
