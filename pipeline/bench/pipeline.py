@@ -4,17 +4,16 @@ invocation on the real stack, side by side, against the bound perfect overlap of
 1. **rollout alone** — fresh engines, the learner held stopped (SIGSTOP) from its start until enough
    groups are ready, every group the measurement needs let out at once: the stage's rate with the
    learner idle, at least as many rollouts at a time as the asynchronous mode keeps in flight;
-2. **learner alone** — the asynchronous mode's layout (a current and a stale engine, the stale pool
-   broadcast every stale_step-th version) and warm-up, with one batch in flight: each batch is
-   batch_size groups, as the asynchronous mode's are, and the engines are idle while the learner
-   trains: its steps give the learner's rate alone, with every broadcast the asynchronous mode makes;
-3. **synchronous** — the standard RLVR loop: the dispatcher lets out one batch of groups, waits for
+2. **synchronous** — the standard RLVR loop: the dispatcher lets out one batch of groups, waits for
    the slowest trajectory, the learner trains and broadcasts, and only then is the next batch let
    out (`mix.max_in_flight_groups` = one batch; every engine in the current pool, staleness 0);
-4. **asynchronous** — the normal pipeline: two batches in flight, a current and a stale engine
-   (the same number of engines), rollouts going on while the learner trains.
+3. **asynchronous** — the normal pipeline: two batches in flight, a current and a stale engine
+   (the same number of engines), rollouts going on while the learner trains;
+4. **learner alone** — the asynchronous mode's own batches, copied under a run id of their own, trained
+   back to back by a learner process from the same initial policy with no engine running: the
+   learner stage's rate on exactly the work the asynchronous mode trained, with nothing beside it.
 
-Each run starts its own engines, so each is measured warm: the learner-alone run and the modes after
+Each run starts its own engines, so each is measured warm: the modes and the learner-alone replay after
 `--warmup-steps` learner steps, the rollout run after the groups that end the rollouts begun on cold
 engines (the method is in pipeline/bench/pipeline_logic.py, which computes every figure from the
 runs' replayed events). Not the learner of the rollout run with its dispatcher held instead of a run
@@ -35,6 +34,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -49,17 +49,20 @@ from pipeline.bench.pipeline_logic import (
     bound_warnings,
     comparison,
     engine_intervals,
-    layout_differences,
     learner_alone,
     learner_intervals,
     merged,
     mode_figures,
+    replay_differences,
+    replay_order,
     rollout_alone,
 )
 from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
+from pipeline.run.plan import learner_child
 from pipeline.run.up import RunFailed, Stack, run_up, timestamped
 from schemas import topics
+from schemas.bus import EventProducer
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "pipeline.yaml"
 MODES = ("sync", "async")
@@ -67,6 +70,8 @@ ALONE = "rollout"
 LEARNER = "learner"
 READ = (topics.TASKS_REQUESTED, topics.STEPS, topics.GROUPS, topics.BATCHES, topics.WEIGHTS, topics.METRICS)
 POLL_S = 3.0
+LEARNER_LIMIT_S = 3600.0
+"""The longest the learner-alone replay may take."""
 HOLD_LIMIT_S = 900.0
 """The longest the rollout run holds its learner stopped; then it is let go and the rate comes from
 the groups ready so far (or there is none)."""
@@ -83,8 +88,7 @@ def rollout_groups(cfg: RollstreamConfig, steps: int) -> tuple[int, int]:
 
 def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int) -> RollstreamConfig:
     """The run of one mode: the same workload and engine count, the pipeline's shape apart. The rollout
-    run lets out every group its measurement needs at once and trains one step after its hold; the
-    learner-alone run is the asynchronous mode's with one batch in flight."""
+    run lets out every group its measurement needs at once and trains one step after its hold."""
     data = base.as_data()
     engines = base.engines.current + base.engines.stale
     data["max_steps"] = warmup_steps + steps
@@ -96,8 +100,6 @@ def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int
         skip, measured = rollout_groups(base, steps)
         data["max_steps"] = 1
         data["mix"]["max_in_flight_groups"] = 2 * skip + measured
-    elif mode == LEARNER:
-        data["mix"]["max_in_flight_groups"] = base.streams.batch_size
     else:
         data["mix"]["max_in_flight_groups"] = None  # the dispatcher's default: two batches
     return RollstreamConfig(**data)
@@ -177,6 +179,35 @@ def _events(cfg: RollstreamConfig, mode_cfg: RollstreamConfig, mode_run: str, mo
     return {t: [r.value for r in recs] for t, recs in records.items()}
 
 
+def _replay_learner(cfg: RollstreamConfig, learner_run: str, batches: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """A learner process alone, from the run's initial policy, on `batches` copied under `learner_run`
+    (already waiting in `batches` when it starts, so it trains them back to back); its replayed events."""
+    from pipeline.analysis.replay import Bound, read_run  # noqa: PLC0415
+
+    started_ms = int(time.time() * 1000) - 5000
+    producer = EventProducer(cfg.kafka, client_id=f"bench-{learner_run}")
+    for batch in batches:
+        producer.send(topics.BATCHES, {**batch, "run": learner_run}, key=learner_run)
+    producer.flush()
+    run_dir = cfg.run_dir(learner_run)
+    log_dir = run_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    replay_cfg = RollstreamConfig(**{**cfg.as_data(), "max_steps": len(batches)})
+    stack = Stack(log_dir)
+    learner = stack.start(learner_child(replay_cfg, learner_run, run_dir, cfg.policy_dir(), {}, 0))
+    try:
+        code = learner.process.wait(timeout=LEARNER_LIMIT_S)
+    except subprocess.TimeoutExpired:
+        raise RunFailed(f"the learner-alone replay did not finish within {LEARNER_LIMIT_S:.0f} s") from None
+    finally:
+        stack.stop(lambda line: None)
+    if code != 0:
+        raise RunFailed(f"the learner-alone replay exited with {code}:\n{learner.log_tail()}")
+    records = read_run(cfg.kafka, learner_run, (topics.BATCHES, topics.WEIGHTS, topics.METRICS),
+                       start=Bound(timestamp_ms=started_ms))
+    return {t: [r.value for r in recs] for t, recs in records.items()}
+
+
 def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Console,
                        warmup_steps: int = 1) -> dict[str, Any]:
     from pipeline.analysis.replay_columns import action_tokens  # noqa: PLC0415
@@ -195,13 +226,6 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
     def learner_kwargs(events: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         return dict(batches=events[topics.BATCHES], weights=events[topics.WEIGHTS], metrics=events[topics.METRICS],
                     action_tokens=action_tokens, warmup_steps=warmup_steps)
-
-    learner_cfg = mode_config(cfg, LEARNER, steps, warmup_steps)
-    say(f"{LEARNER}: run {run}-{LEARNER}, {warmup_steps} + {steps} learner steps, the asynchronous layout "
-        f"(engines current {learner_cfg.engines.current} stale {learner_cfg.engines.stale}), one batch in flight")
-    learner_events = _events(cfg, learner_cfg, f"{run}-{LEARNER}", LEARNER, console)
-    learner = learner_alone(**learner_kwargs(learner_events))
-    say(f"{LEARNER}: {learner['learner_tokens_per_s']:.1f} trained tokens/s alone over {learner['learner_steps']} steps")
 
     figures: dict[str, dict[str, Any]] = {}
     timelines: dict[str, dict[str, Any]] = {}
@@ -222,18 +246,23 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
                            "learner": list(learner_intervals(events[topics.METRICS]).values())}
         say(f"{mode}: {figures[mode]['trained_tokens_per_s']:.1f} trained tokens/s over {figures[mode]['wall_s']:.0f} s "
             f"after the warm-up")
+    learner_run = f"{run}-{LEARNER}"
+    replayed = replay_order(runs["async"][topics.BATCHES], runs["async"][topics.WEIGHTS])
+    say(f"{LEARNER}: run {learner_run}, the asynchronous run's {len(replayed)} batches replayed by a learner alone "
+        f"(no engine), {warmup_steps} of them warm-up")
+    learner_events = _replay_learner(cfg, learner_run, replayed)
+    learner = learner_alone(**learner_kwargs(learner_events))
+    say(f"{LEARNER}: {learner['learner_tokens_per_s']:.1f} trained tokens/s alone over {learner['learner_steps']} steps")
     alone = bound(rollout, learner)
     result = comparison(figures["sync"], figures["async"], alone)
-    layout = layout_differences({"weights": learner_events[topics.WEIGHTS], "batches": learner_events[topics.BATCHES]},
-                                {"weights": runs["async"][topics.WEIGHTS], "batches": runs["async"][topics.BATCHES]},
-                                warmup_steps)
+    layout = replay_differences(learner_events[topics.WEIGHTS], runs["async"][topics.WEIGHTS], warmup_steps)
     warnings = bound_warnings(result)
     for line in layout + warnings:
         say(f"[yellow]warning: {escape(line)}[/yellow]")
     out_dir = cfg.run_dir(run)
     out_dir.mkdir(parents=True, exist_ok=True)
     _plot(timelines, out_dir / "timeline.png")
-    return {"run": run, **result, "bound_warnings": warnings, "layout_differences": layout, "modes": figures,
+    return {"run": run, **result, "bound_warnings": warnings, "replay_differences": layout, "modes": figures,
             "stages_alone": alone, "figure": str(out_dir / "timeline.png"),
             "workload": {"steps": steps, "warmup_steps": warmup_steps, "families": cfg.mix.families,
                          "group_size": cfg.streams.group_size, "batch_size": cfg.streams.batch_size,
@@ -256,7 +285,7 @@ def print_result(result: dict[str, Any], console: Console) -> None:
     console.print(table)
     alone = result["stages_alone"]
     console.print(f"stages alone: rollout {alone['rollout_tokens_per_s']:.1f} (learner held), learner "
-                  f"{alone['learner_tokens_per_s']:.1f} (the asynchronous layout, one batch in flight) trained "
+                  f"{alone['learner_tokens_per_s']:.1f} (the asynchronous run's batches replayed, no engine) trained "
                   f"tokens/s; bound {alone['bound_tokens_per_s']:.1f} (noise allows async up to "
                   f"{result['of_bound_noise_limit'] or 0:.0%} of it)")
     ratio, of_bound = result["ratio"], result["of_bound"]
@@ -273,8 +302,8 @@ def bench_pipeline(
     run: str = typer.Option("", "--run", help="Run id prefix (default: pipeline-<time>); the runs add -rollout, -learner, -sync, -async."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (ratio: async / sync)."),
 ) -> None:
-    """Measure the rollout and learner stages alone, then train the same workload synchronously and asynchronously;
-    print each mode's warm throughput, busy fractions and staleness, the ratio, and the share of the
+    """Measure the rollout stage alone, train the same workload synchronously and asynchronously, then replay
+    the asynchronous run's batches for the learner alone; print each mode's warm throughput, busy fractions and staleness, the ratio, and the share of the
     bound set by the slower stage alone.
 
     Example: rollstream bench pipeline --steps 8 --json

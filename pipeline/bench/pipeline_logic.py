@@ -19,15 +19,18 @@ slower stage's rate, so bound = min(rollout rate alone, learner rate alone), eac
 and warm, and each in the asynchronous mode's own conditions, so that nothing but the overlap
 separates them from it:
 
-- learner alone: a run of its own laid out as the asynchronous mode (a current and a stale engine,
-  the stale pool broadcast every stale_step-th version, the same warm-up steps) with one batch in
-  flight: every batch is batch_size groups, as the asynchronous mode's are, and the engines are
-  idle while the learner trains. Its measured steps' trained tokens (trajectories) / their busy
-  seconds. Not the synchronous run's steps: there every engine is current, each version is
-  broadcast to both, and its steps came out 1.8x slower than the asynchronous mode's own for the
-  same tokens (2026-12-02), a bound the asynchronous mode beat. Not the rollout run's learner with
-  its dispatcher held: the batcher takes every ready group into the batch after the hold, so that
-  learner trains one batch of all of them and then waits for ever (tests/unit/test_batcher_held.py);
+- learner alone: the asynchronous mode's own batches, replayed after it by a learner process of its
+  own from the same initial policy, back to back with no engine running: the same tokens, the same
+  items, the same warm-up steps left out. Its measured steps' trained tokens (trajectories) / their
+  busy seconds. Not a run of its own with one batch in flight (until 2026-12-03): its batches held
+  about 190 tokens a step against the asynchronous mode's 720, and a step's time does not grow in
+  proportion, so a rate taken on short batches did not bound one on long batches (async / bound
+  16.2). Not the synchronous run's steps: there every engine is current and each version is
+  broadcast to both (1.8x slower steps for the same tokens, 2026-12-02). Not the rollout run's
+  learner with its dispatcher held: the batcher takes every ready group into the batch after the
+  hold, so that learner trains one batch of all of them and then waits for ever
+  (tests/unit/test_batcher_held.py). The replay broadcasts nothing (0.2-0.7 s a step here), which
+  can only raise the bound;
 - rollout alone: a run of its own on fresh engines with the learner held idle, every group it will
   need let out at once (so as many rollouts run at a time as the env workers take, at least what
   the asynchronous mode keeps in flight). Groups become ready (all members in) in some order; the
@@ -269,23 +272,40 @@ def bound_warnings(result: Mapping[str, Any]) -> list[str]:
 Events = Mapping[str, Sequence[Mapping[str, Any]]]
 
 
-def layout_differences(alone: Events, async_: Events, warmup_steps: int) -> list[str]:
-    """Where the learner-alone run's measured steps did not see what the asynchronous mode's did:
-    per version (both runs' `weights` and `batches`), the pools broadcast to and the trajectories
-    trained. Empty when every measured version matches."""
-    def steps(events: Events) -> dict[int, tuple[tuple[str, ...], int | None]]:
-        size = {b["batch_id"]: len(b["items"]) for b in events["batches"]}
-        return {int(w["version"]): (tuple(sorted(w["broadcast_pools"])), size.get(w["batch_id"]))
-                for w in events["weights"] if w.get("batch_id") is not None and w["version"] > warmup_steps}
+def replay_order(batches: Sequence[Mapping[str, Any]], weights: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The batches a run's learner trained, each once, in the order of the versions they made: what the
+    learner-alone run replays (a batch cut but never trained, the second of two in flight at the end,
+    is left out). A batch stored in the object store (a claim check) is refused, since its stored copy
+    names the run it was cut for."""
+    by_id = {b["batch_id"]: b for b in batches}
+    trained = sorted((w for w in weights if w.get("batch_id") is not None), key=lambda w: w["version"])
+    out: list[Mapping[str, Any]] = []
+    for w in trained:
+        batch = by_id.get(w["batch_id"])
+        if batch is None:
+            raise ValueError(f"version {w['version']} was trained from batch {w['batch_id']}, which the run's "
+                             "`batches` do not hold")
+        if batch.get("payload_uri"):
+            raise ValueError(f"batch {batch['batch_id']} is a claim check (stored in the object store): the "
+                             "learner-alone run replays batches as events; use smaller batches")
+        if batch not in out:
+            out.append(batch)
+    return out
 
-    ours, theirs = steps(alone), steps(async_)
+
+def replay_differences(alone_weights: Sequence[Mapping[str, Any]], async_weights: Sequence[Mapping[str, Any]],
+                       warmup_steps: int) -> list[str]:
+    """Where the learner-alone run's measured versions did not train the asynchronous mode's batch of
+    the same version. Empty when every measured version matches."""
+    def trained(weights: Sequence[Mapping[str, Any]]) -> dict[int, str]:
+        return {int(w["version"]): w["batch_id"] for w in weights
+                if w.get("batch_id") is not None and w["version"] > warmup_steps}
+
+    ours, theirs = trained(alone_weights), trained(async_weights)
     out = []
     for version in sorted(ours.keys() | theirs.keys()):
         if version not in ours or version not in theirs:
-            run = "learner-alone" if version in ours else "asynchronous"
-            out.append(f"version {version} trained only in the {run} run")
+            out.append(f"version {version} trained only in the {'learner-alone' if version in ours else 'asynchronous'} run")
         elif ours[version] != theirs[version]:
-            (pools_a, n_a), (pools_b, n_b) = ours[version], theirs[version]
-            out.append(f"version {version}: learner alone broadcast to {list(pools_a)} after {n_a} trajectories, "
-                       f"the asynchronous mode to {list(pools_b)} after {n_b}")
+            out.append(f"version {version}: learner alone trained {ours[version]}, the asynchronous mode {theirs[version]}")
     return out

@@ -8,9 +8,10 @@ import itertools
 
 import pytest
 
-from pipeline.bench.pipeline import ALONE, LEARNER, mode_config
-from pipeline.bench.pipeline_logic import (bound, bound_warnings, comparison, layout_differences, learner_alone,
-                                           learner_intervals, merged, mode_figures, rollout_alone, union_ms)
+from pipeline.bench.pipeline import ALONE, mode_config
+from pipeline.bench.pipeline_logic import (bound, bound_warnings, comparison, learner_alone,
+                                           learner_intervals, merged, mode_figures, replay_differences,
+                                           replay_order, rollout_alone, union_ms)
 from pipeline.run.config import REPO_ROOT, load_config
 
 
@@ -226,32 +227,37 @@ def test_async_at_or_below_the_bound_has_no_warning_and_above_it_within_the_nois
     assert line.startswith("async / bound 1.050 in tokens exceeds 1, within the noise") and "1.200" in line
 
 
-def _layout(pools_by_version: dict[int, list[str]], trajectories: int = 6) -> dict:
-    weights = [{"version": v, "batch_id": f"b{v}", "broadcast_pools": p} for v, p in pools_by_version.items()]
-    batches = [{"batch_id": f"b{v}", "items": [{}] * trajectories} for v in pools_by_version]
-    return {"weights": [{"version": 0, "batch_id": None, "broadcast_pools": ["current", "stale"]}, *weights],
-            "batches": batches}
+def test_the_learner_alone_replays_the_batches_the_asynchronous_learner_trained_in_version_order():
+    batches = [{"batch_id": "b2"}, {"batch_id": "b1"}, {"batch_id": "b2"}, {"batch_id": "b3"}]
+    weights = [{"version": 0, "batch_id": None}, {"version": 2, "batch_id": "b2"}, {"version": 1, "batch_id": "b1"}]
+    # b3 was cut (the second batch in flight) but never trained: not replayed
+    assert [b["batch_id"] for b in replay_order(batches, weights)] == ["b1", "b2"]
+    with pytest.raises(ValueError, match="batch b3 is a claim check"):
+        replay_order([{"batch_id": "b3", "payload_uri": "s3://rollstream-payloads/b3"}],
+                     [{"version": 1, "batch_id": "b3"}])
+    with pytest.raises(ValueError, match="version 1 was trained from batch b9"):
+        replay_order(batches, [{"version": 1, "batch_id": "b9"}])
 
 
-def test_the_learner_alone_must_broadcast_and_train_what_the_asynchronous_mode_did_version_by_version():
-    cadence = {1: ["current"], 2: ["current", "stale"], 3: ["current"]}  # stale_step 2
-    assert layout_differences(_layout(cadence), _layout({**cadence, 2: ["stale", "current"]}), warmup_steps=1) == []
-    assert layout_differences(_layout(cadence), _layout({1: ["current"], 2: ["current"], 3: ["current"]}), 1) == [
-        "version 2: learner alone broadcast to ['current', 'stale'] after 6 trajectories, the asynchronous mode "
-        "to ['current'] after 6"]
-    assert layout_differences(_layout(cadence, trajectories=8), _layout(cadence), 2) == [
-        "version 3: learner alone broadcast to ['current'] after 8 trajectories, the asynchronous mode to "
-        "['current'] after 6"]
-    assert layout_differences(_layout(cadence), _layout({1: ["current"], 2: ["current", "stale"]}), 1) == [
-        "version 3 trained only in the learner-alone run"]
+def test_every_measured_version_of_the_replay_must_train_the_asynchronous_mode_s_batch_of_that_version():
+    def weights(batch_of: dict[int, str]) -> list[dict]:
+        return [{"version": 0, "batch_id": None}, *({"version": v, "batch_id": b} for v, b in batch_of.items())]
+
+    run = {1: "b1", 2: "b2", 3: "b3"}
+    assert replay_differences(weights(run), weights(run), warmup_steps=1) == []
+    assert replay_differences(weights({**run, 1: "bx"}), weights(run), warmup_steps=1) == []  # warm-up
+    assert replay_differences(weights({**run, 3: "bx"}), weights(run), 1) == [
+        "version 3: learner alone trained bx, the asynchronous mode b3"]
+    assert replay_differences(weights({1: "b1", 2: "b2"}), weights(run), 1) == [
+        "version 3 trained only in the asynchronous run"]
 
 
-def test_the_learner_alone_run_is_the_asynchronous_mode_with_one_batch_in_flight():
+def test_the_modes_share_the_workload_and_engine_count_and_differ_in_their_pipeline_shape():
     base = load_config(REPO_ROOT / "configs" / "pipeline.yaml")
-    learner, async_ = mode_config(base, LEARNER, 2, 1), mode_config(base, "async", 2, 1)
-    assert learner.engines == async_.engines and learner.streams == async_.streams
-    assert learner.max_steps == async_.max_steps == 3 and learner.learner == async_.learner
-    assert learner.mix.max_in_flight_groups == base.streams.batch_size and async_.mix.max_in_flight_groups is None
+    sync, async_ = mode_config(base, "sync", 2, 1), mode_config(base, "async", 2, 1)
+    assert sync.streams == async_.streams and sync.learner == async_.learner and sync.max_steps == async_.max_steps == 3
+    assert sync.engines.current == async_.engines.current + async_.engines.stale and sync.engines.stale == 0
+    assert sync.mix.max_in_flight_groups == base.streams.batch_size and async_.mix.max_in_flight_groups is None
     assert mode_config(base, ALONE, 2, 1).engines == async_.engines
 
 

@@ -1,0 +1,41 @@
+"""`rollstream bench pipeline`, scaled down: one warm-up and one measured learner step per mode on the
+real stack (the full run: `rollstream bench pipeline --steps 8`, BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.run.config import REPO_ROOT
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.timeout(1500)
+def test_scaled_down_bench_pipeline_measures_both_modes_and_a_bound_from_the_stages_alone(infra, tmp_path: Path):
+    config = yaml.safe_load((REPO_ROOT / "configs" / "pipeline.yaml").read_text())
+    config |= {"runs_dir": str(tmp_path / "runs")}
+    config_path = tmp_path / "pipeline.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    run = f"pipe-{uuid.uuid4().hex[:8]}"
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "pipeline", "--steps", "1",
+                           "--warmup-steps", "1", "--config", str(config_path), "--run", run, "--json"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=1400)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(done.stdout)
+    for mode in ("sync", "async"):
+        figures = report["modes"][mode]
+        assert figures["trained_tokens_per_s"] > 0 and 0 < figures["engine_busy"] <= 1
+    assert report["ratio"] > 0 and report["of_bound"] > 0
+    alone = report["stages_alone"]
+    assert alone["rollout_tokens_per_s"] > 0 and alone["learner_tokens_per_s"] > 0
+    assert alone["bound_tokens_per_s"] == min(alone["rollout_tokens_per_s"], alone["learner_tokens_per_s"])
+    # the learner alone trained exactly the asynchronous mode's measured batches
+    assert report["replay_differences"] == []
+    assert Path(report["figure"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
