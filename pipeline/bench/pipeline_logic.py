@@ -279,7 +279,7 @@ def replay_order(batches: Sequence[Mapping[str, Any]], weights: Sequence[Mapping
     names the run it was cut for."""
     by_id = {b["batch_id"]: b for b in batches}
     trained = sorted((w for w in weights if w.get("batch_id") is not None), key=lambda w: w["version"])
-    out: list[Mapping[str, Any]] = []
+    out: dict[str, Mapping[str, Any]] = {}
     for w in trained:
         batch = by_id.get(w["batch_id"])
         if batch is None:
@@ -288,9 +288,8 @@ def replay_order(batches: Sequence[Mapping[str, Any]], weights: Sequence[Mapping
         if batch.get("payload_uri"):
             raise ValueError(f"batch {batch['batch_id']} is a claim check (stored in the object store): the "
                              "learner-alone run replays batches as events; use smaller batches")
-        if batch not in out:
-            out.append(batch)
-    return out
+        out.setdefault(batch["batch_id"], batch)
+    return list(out.values())
 
 
 def replay_differences(alone_weights: Sequence[Mapping[str, Any]], async_weights: Sequence[Mapping[str, Any]],

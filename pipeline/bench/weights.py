@@ -133,10 +133,10 @@ def _learner_phase(mc, model_dir: Path, prefix: str, steps: int, runs: list[str]
 
 
 def _learner_phase_apart(store: ObjectStoreSettings, model: str | None, model_dir: Path, prefix: str, steps: int,
-                         work: Path) -> tuple[list[dict[str, Any]], tuple[list[dict[str, Any]], int] | None, list[str]]:
+                         work: Path) -> tuple[list[dict[str, Any]], tuple[list[dict[str, Any]], int] | None]:
     """The checkpoint (when made here) and the learner phase, in a process of their own: freed tensors stay in
     the allocator's arenas, and at 0.5B the bench process still held 14 GB when its engine started and
-    was killed for memory (2026-12-03). Returns the phase's results and the runs it staged."""
+    was killed for memory (2026-12-03). Returns the phase's results."""
     say = Console(stderr=True).print
     torch.manual_seed(0)
     if model == RANDOM_LARGE:
@@ -144,9 +144,7 @@ def _learner_phase_apart(store: ObjectStoreSettings, model: str | None, model_di
         random_large_checkpoint(model_dir)
     elif model is None:
         init_model(PolicyModelSettings(), model_dir)
-    runs: list[str] = []
-    settings, followed = _learner_phase(objectstore.client(store), model_dir, prefix, steps, runs, work, say)
-    return settings, followed, runs
+    return _learner_phase(objectstore.client(store), model_dir, prefix, steps, [], work, say)
 
 
 def bench_weights(
@@ -182,9 +180,8 @@ def bench_weights(
         runs.extend(f"{prefix}-{d}-{lr:g}" for lr in LEARNING_RATES for d in DTYPES)
         try:
             with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as apart:
-                settings, followed, staged_runs = apart.submit(_learner_phase_apart, cfg.object_store, model, model_dir,
-                                                               prefix, steps, work).result()
-            runs.extend(r for r in staged_runs if r not in runs)
+                settings, followed = apart.submit(_learner_phase_apart, cfg.object_store, model, model_dir,
+                                                  prefix, steps, work).result()
             update = None
             if engine and followed is not None:
                 update = _engine_updates(cfg, model_dir, followed[0], followed[1], work, say)
