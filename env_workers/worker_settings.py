@@ -6,7 +6,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from env_workers.envs.base import EnvSettings
 from env_workers.settings import AgentLoopSettings
-from schemas.prometheus import MetricsPort
+from schemas.prometheus import MetricsHost, MetricsPort
 
 
 class EnvWorkerSettings(BaseModel):
@@ -41,6 +41,9 @@ class EnvWorkerSettings(BaseModel):
     metrics_port: MetricsPort = None
     """Not in the paper: port of the worker's Prometheus /metrics, None none, 0 any free port
     (schemas/prometheus.py)."""
+    metrics_host: MetricsHost = "127.0.0.1"
+    """Not in the paper: address the worker's /metrics binds: 0.0.0.0 lets a scraper on another host (a Kubernetes
+    pod's Prometheus) reach it; loopback by default so a process opens nothing it was not asked for."""
     agent_loop: AgentLoopSettings = AgentLoopSettings()
     """The agent loop's limits, sampling and punishment rule (each default says where it comes from)."""
     env: EnvSettings = EnvSettings()

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.prometheus import MetricsPort
+from schemas.prometheus import MetricsHost, MetricsPort
 
 PolicyLoss = Literal["ppo", "cispo", "decoupled"]
 ISCorrection = Literal["none", "tis", "icepop"]
@@ -87,6 +87,9 @@ class LearnerSettings(BaseModel):
     metrics_port: MetricsPort = None
     """Port of the learner's Prometheus /metrics, served by rank 0 (not in the paper): None none, 0 any free
     port (schemas/prometheus.py)."""
+    metrics_host: MetricsHost = "127.0.0.1"
+    """Address the learner's /metrics binds (not in the paper): 0.0.0.0 lets a scraper on another host (a Kubernetes
+    pod's Prometheus) reach it; loopback by default so a process opens nothing it was not asked for."""
     seed: int = Field(0, ge=0)
     """Seeds torch's RNG when the process starts (not in the paper; a run sets it from its `seed`); a resumed
     learner takes the RNG states its checkpoint saved instead."""

@@ -27,7 +27,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from schemas.prometheus import MetricsPort
+from schemas.prometheus import MetricsHost, MetricsPort
 
 StdKind = Literal["bessel", "population"]
 RoutingMode = Literal["turn", "trajectory"]
@@ -202,6 +202,9 @@ class WorkerSettings(BaseModel):
     """Port of Faust's web server."""
     metrics_port: MetricsPort = None
     """rollstream: port of the worker's Prometheus /metrics, None none, 0 any free port (schemas/prometheus.py)."""
+    metrics_host: MetricsHost = "127.0.0.1"
+    """rollstream: address the worker's /metrics binds: 0.0.0.0 lets a scraper on another host (a Kubernetes pod's
+    Prometheus) reach it; loopback by default so a process opens nothing it was not asked for."""
     session_timeout_s: float = Field(10.0, gt=0)
     """Broker session timeout: a killed worker's partitions move after this long."""
     standby_replicas: int = Field(1, ge=0)

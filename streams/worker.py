@@ -205,7 +205,8 @@ def run_worker(kafka: KafkaSettings, settings: StreamsSettings, worker: WorkerSe
     # records cost about a tenth of the worker's CPU in profiles
     logging.getLogger("aiokafka").setLevel(max(logging.WARNING, logging.getLevelName(loglevel.upper())))
     serve_metrics(worker.metrics_port, "streams",
-                  [*streams_app.PROMETHEUS, *aggregator_agent.PROMETHEUS, *batcher_agent.PROMETHEUS])
+                  [*streams_app.PROMETHEUS, *aggregator_agent.PROMETHEUS, *batcher_agent.PROMETHEUS],
+                  host=worker.metrics_host)
     runner = Worker(app, loglevel=loglevel)
     # Faust's startup spinner sets the root logger to DEBUG (its handler spins on every record) and
     # leaves it there after startup: every debug call of faust and mode then built a record to be

@@ -38,6 +38,8 @@ def dispatch(
     poll_s: float = typer.Option(1.0, help="How long each progress poll waits."),
     metrics_port: int | None = typer.Option(None, min=0, max=65535, help="Serve Prometheus metrics on this port, "
                                             "0 any free one (default none)."),
+    metrics_host: str = typer.Option(_D.metrics_host, help="Address the metrics bind: 0.0.0.0 for a scraper on "
+                                     "another host (default loopback)."),
     config: ConfigOption = None,
     as_json: JsonOption = False,
 ) -> None:
@@ -59,7 +61,7 @@ def dispatch(
             group_size=group_size, batch_size=batch_size, max_in_flight_groups=max_in_flight,
             val_interval=val_interval, val_group_size=val_group_size, val_before_train=not no_val_before_train,
             seed=cfg.seed,  # the run seed: the configuration's (`up` passes the whole of it)
-            metrics_port=metrics_port)
+            metrics_port=metrics_port, metrics_host=metrics_host)
     except ValidationError as e:
         fail("; ".join(err["msg"] for err in e.errors()))
     except ValueError as e:

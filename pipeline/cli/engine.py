@@ -7,10 +7,11 @@ from enum import Enum
 from pathlib import Path
 
 import typer
+from pydantic import ValidationError
 
 from pipeline.cli.toolkit import CHECK_FAILED, App, ConfigOption, fail
 from pipeline.engine.supervisor import EngineFailed, EngineJob, EngineSettings, run_engine
-from pipeline.run.config import load_config
+from pipeline.run.config import load_config, validation_message
 
 app = App(help="Serve a policy with vLLM, with live weight updates and heartbeats.")
 
@@ -40,6 +41,9 @@ def engine(
     metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
                                             help="Serve the supervisor's Prometheus metrics on this port, 0 any free "
                                                  "one (default none); vLLM's own are at the engine's /metrics."),
+    metrics_host: str = typer.Option(EngineSettings().metrics_host, "--metrics-host",
+                                     help="Address the supervisor's metrics bind: 0.0.0.0 for a scraper on another "
+                                          "host (default loopback)."),
     config: ConfigOption = None,
 ) -> None:
     """Serve a policy with vLLM; follow `weights` and publish heartbeats until SIGTERM.
@@ -49,9 +53,12 @@ def engine(
     cfg = load_config(config)
     if not (model / "config.json").is_file():
         fail(f"{model} is not a Hugging Face checkpoint (no config.json)")
-    settings = EngineSettings(pool=pool.value, stale_step=stale_step, max_model_len=max_model_len,
-                              heartbeat_interval_s=heartbeat_s, stall_after_s=stall_after_s,
-                              metrics_port=metrics_port)
+    try:
+        settings = EngineSettings(pool=pool.value, stale_step=stale_step, max_model_len=max_model_len,
+                                  heartbeat_interval_s=heartbeat_s, stall_after_s=stall_after_s,
+                                  metrics_port=metrics_port, metrics_host=metrics_host)
+    except ValidationError as error:
+        fail(validation_message(error))
     job = EngineJob(model=model, run=run or cfg.run, engine_id=engine_id or f"{pool.value}-{port}", host=host,
                     port=port, advertise_url=advertise_url, initial_version=initial_version, work_dir=work_dir)
     try:

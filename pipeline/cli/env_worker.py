@@ -49,6 +49,9 @@ def env_worker(
     metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
                                             help="Serve Prometheus metrics on this port, 0 any free one (default: "
                                                  "settings, none); over --settings, which several workers share."),
+    metrics_host: str | None = typer.Option(None, "--metrics-host",
+                                            help="Address the metrics bind: 0.0.0.0 for a scraper on another host "
+                                                 "(default: settings, loopback); over --settings."),
     config_path: ConfigOption = None,
     as_json: JsonOption = False,
     settings_file: SettingsOption = None,
@@ -75,8 +78,12 @@ def env_worker(
         fail(validation_message(error))
     except OSError as error:
         fail(f"--settings: {error}")
-    if metrics_port is not None:
-        settings = settings.model_copy(update={"metrics_port": metrics_port})
+    served = {k: v for k, v in (("metrics_port", metrics_port), ("metrics_host", metrics_host)) if v is not None}
+    if served:
+        try:  # validated: model_copy would take a bad address as it is
+            settings = EnvWorkerSettings.model_validate({**settings.model_dump(), **served})
+        except ValidationError as error:
+            fail(validation_message(error))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     worker_id = worker_id or f"env-worker-{socket.gethostname()}-{os.getpid()}"
     try:

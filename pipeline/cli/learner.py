@@ -71,6 +71,9 @@ def learner(
     metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
                                             help="Serve Prometheus metrics on this port, 0 any free one (default: "
                                                  "settings, none)."),
+    metrics_host: str | None = typer.Option(None, "--metrics-host",
+                                            help="Address the metrics bind: 0.0.0.0 for a scraper on another host "
+                                                 "(default: settings, loopback)."),
     config: ConfigOption = None,
     settings_file: SettingsOption = None,
     quiet: QuietOption = False,
@@ -87,7 +90,7 @@ def learner(
     settings = _settings(settings_file, {"checkpoint_interval": checkpoint_interval, "lr": lr,
                                          "max_tokens_per_micro_batch": max_tokens_per_micro_batch,
                                          "parallelism": parallelism, "stale_step": stale_step,
-                                         "metrics_port": metrics_port})
+                                         "metrics_port": metrics_port, "metrics_host": metrics_host})
     job = LearnerJob(run=run, model_path=model_path, resume=resume, max_steps=max_steps, idle_exit_s=idle_exit,
                      broadcast_current=broadcast_current, broadcast_stale=broadcast_stale,
                      broadcast_host=broadcast_host, broadcast_port=broadcast_port)

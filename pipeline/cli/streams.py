@@ -46,6 +46,8 @@ def worker(
     no_web: bool = typer.Option(False, "--no-web", help="Do not serve the metrics view."),
     metrics_port: int | None = typer.Option(_W.metrics_port, min=0, max=65535, help="Serve Prometheus metrics on "
                                             "this port, 0 any free one (default none)."),
+    metrics_host: str = typer.Option(_W.metrics_host, help="Address the metrics bind: 0.0.0.0 for a scraper on "
+                                     "another host (default loopback)."),
     sweep_interval_s: float = typer.Option(_W.sweep_interval_s, help="Aggregator sweep period."),
     metrics_interval_s: float = typer.Option(_W.metrics_interval_s, help="Metrics publishing period."),
     group_size: int = typer.Option(_S.group_size, help="Rollouts per sample, n."),
@@ -82,7 +84,7 @@ def worker(
                                   min_members=min_members, group_timeout_s=group_timeout_s, std=std)
     try:
         worker_settings = WorkerSettings(app_id=app_id, run=run, datadir=datadir, web_port=web_port,
-                                         web_enabled=not no_web, metrics_port=metrics_port,
+                                         web_enabled=not no_web, metrics_port=metrics_port, metrics_host=metrics_host,
                                          sweep_interval_s=sweep_interval_s, metrics_interval_s=metrics_interval_s,
                                          batch_offload_bytes=batch_offload_bytes)
     except ValidationError as e:

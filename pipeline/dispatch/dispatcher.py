@@ -159,7 +159,7 @@ def run_dispatcher(kafka: KafkaSettings, run: str, settings: logic.DispatcherSet
                    should_stop: Callable[[], bool] = lambda: False) -> dict[str, Any]:
     """Dispatches training groups until the run holds max_groups of them (validation rounds as
     they fall due meanwhile); returns a summary. Resumes from what tasks.requested holds."""
-    serve_metrics(settings.metrics_port, "dispatcher", PROMETHEUS)
+    serve_metrics(settings.metrics_port, "dispatcher", PROMETHEUS, host=settings.metrics_host)
     IN_FLIGHT_BOUND.set(settings.in_flight_bound)
     done = read_dispatched(kafka, run, settings.sources)
     cursor = logic.cursor_from_dispatched(settings.sources, done.slots, settings.seed)

@@ -28,7 +28,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from schemas.ids import group_id
-from schemas.prometheus import MetricsPort
+from schemas.prometheus import MetricsHost, MetricsPort
 
 
 class TaskSource(BaseModel):
@@ -72,6 +72,9 @@ class DispatcherSettings(BaseModel):
     metrics_port: MetricsPort = None
     """Port of the dispatcher's Prometheus /metrics (rollstream's), None none, 0 any free port
     (schemas/prometheus.py)."""
+    metrics_host: MetricsHost = "127.0.0.1"
+    """Address the dispatcher's /metrics binds (rollstream's): 0.0.0.0 lets a scraper on another host (a Kubernetes
+    pod's Prometheus) reach it; loopback by default so a process opens nothing it was not asked for."""
 
     @model_validator(mode="after")
     def _train_and_validation_sources_are_disjoint(self) -> DispatcherSettings:

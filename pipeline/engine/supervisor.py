@@ -34,7 +34,7 @@ from pipeline.engine.updates import EngineControl, UpdateRefused, download_versi
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
 from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
-from schemas.prometheus import MetricsPort, serve_metrics
+from schemas.prometheus import MetricsHost, MetricsPort, serve_metrics
 
 # Where vLLM's OpenAI server reads the key it requires on /v1 routes (vllm/envs.py; the same as --api-key).
 API_KEY_ENV = "VLLM_API_KEY"
@@ -67,6 +67,9 @@ class EngineSettings(BaseModel):
     metrics_port: MetricsPort = None
     """Port of the supervisor's Prometheus /metrics (served version, requests, busy), None none, 0 any free port
     (schemas/prometheus.py; not in the paper). vLLM serves its own at /metrics on the engine's port."""
+    metrics_host: MetricsHost = "127.0.0.1"
+    """Address the supervisor's /metrics binds (not in the paper): 0.0.0.0 lets a scraper on another host (a
+    Kubernetes pod's Prometheus) reach it; loopback by default so a process opens nothing it was not asked for."""
 
 
 def _log(message: str) -> None:
@@ -147,7 +150,7 @@ class EngineFailed(RuntimeError):
 def run_engine(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob) -> None:
     """Serves until SIGTERM/SIGINT; raises EngineFailed when the server does not come up or exits on
     its own (the server is stopped either way)."""
-    serve_metrics(settings.metrics_port, f"engine {job.engine_id}", PROMETHEUS)
+    serve_metrics(settings.metrics_port, f"engine {job.engine_id}", PROMETHEUS, host=settings.metrics_host)
     server = start_server(settings, job, cfg.agent_loop.engine_api_key)
     stopping = {"flag": False}
 

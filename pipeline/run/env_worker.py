@@ -22,7 +22,7 @@ from schemas.settings import KafkaSettings
 async def serve(settings: EnvWorkerSettings, kafka: KafkaSettings, model: Path, run: str, worker_id: str) -> WorkerStats:
     """Rolls out the run's tasks until SIGTERM/SIGINT, then drains; raises WorkerFailed on a fatal error.
     The engines are the settings' static ones, or else those the `engines` heartbeats announce."""
-    serve_metrics(settings.metrics_port, worker_id, PROMETHEUS)
+    serve_metrics(settings.metrics_port, worker_id, PROMETHEUS, host=settings.metrics_host)
     encoder = ChatEncoder(AutoTokenizer.from_pretrained(model))
     engines = EnginePool(run=run, stop_token_ids=[encoder.eos_token_id], clock_ms=lambda: int(time.time() * 1000),
                          heartbeat_timeout_s=settings.heartbeat_timeout_s,

@@ -94,7 +94,7 @@ def run_learner(cfg: RollstreamConfig, settings: LearnerSettings, job: LearnerJo
     if world > 1:
         dist.init_process_group("gloo" if not torch.cuda.is_available() else "nccl")
     if rank == 0:  # the one rank that talks to the rest of the run
-        serve_metrics(settings.metrics_port, "learner", PROMETHEUS)
+        serve_metrics(settings.metrics_port, "learner", PROMETHEUS, host=settings.metrics_host)
     torch.manual_seed(settings.seed)  # a resume replaces it with the checkpoint's RNG states
     model, ref, model_config = load_policy(job.model_path)
     optimizer = make_optimizer(model, settings)

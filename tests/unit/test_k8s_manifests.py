@@ -253,11 +253,12 @@ def test_files_the_processes_read_from_the_config_mount_are_in_the_generated_con
         assert volume["configMap"]["name"] == "rollstream-run"
 
 
-def test_every_long_running_process_exposes_its_metrics_port_with_scrape_annotations():
+def test_every_long_running_process_exposes_its_metrics_port_to_other_pods_with_scrape_annotations():
     for obj, container, path, params in _parsed_containers():
         if obj["kind"] == "Job" and path != "learner":
             continue  # infra init ends at once
         assert params["metrics_port"] == METRICS_PORT, obj["metadata"]["name"]
+        assert params["metrics_host"] == "0.0.0.0", obj["metadata"]["name"]  # loopback: unreachable by a scraper
         assert {"name": "metrics", "containerPort": METRICS_PORT} in container["ports"]
         annotations = obj["spec"]["template"]["metadata"]["annotations"]
         assert annotations["prometheus.io/scrape"] == "true"
@@ -318,4 +319,4 @@ def test_the_dispatcher_gets_the_options_rollstream_up_derives_from_run_yaml(cfg
     (container,) = _named("Deployment", "rollstream-dispatcher")["spec"]["template"]["spec"]["containers"]
     planned = list(dispatcher_child(cfg, cfg.run, Path("/unused")).argv[3:])
     planned[planned.index("--config") + 1] = f"{CONFIG_MOUNT}/run.yaml"
-    assert container["args"] == planned + ["--metrics-port", str(METRICS_PORT)]
+    assert container["args"] == planned + ["--metrics-port", str(METRICS_PORT), "--metrics-host", "0.0.0.0"]
