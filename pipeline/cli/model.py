@@ -166,7 +166,7 @@ def sft(
     except ValueError as error:
         fail(f"{model}: {error}")
     try:
-        demos, built = collect_demonstrations(settings, envs, encoder)
+        demos, built = collect_demonstrations(settings, envs, encoder, quiet)
     except (registry.UnknownFamily, DemonstrationError, FileNotFoundError) as error:
         fail(str(error))
     if not demos:

@@ -145,13 +145,15 @@ def tokenize(encoder: ChatEncoder, episode: Episode) -> Demonstration:
 
 async def oracle_episodes(
     family: str, env: Environment, samples: Sequence[Mapping[str, Any]],
-    golden: Callable[[Mapping[str, Any]], Policy],
+    golden: Callable[[Mapping[str, Any]], Policy], on_played: Callable[[], None] = lambda: None,
 ) -> tuple[list[Episode], int]:
-    """(successful oracle episodes, oracle failures) for `samples`, in order; `golden(sample)` is the family's oracle."""
+    """(successful oracle episodes, oracle failures) for `samples`, in order; `golden(sample)` is the family's
+    oracle, `on_played` is called after each sample (a progress bar: os episodes take ~0.1 s each in a sandbox)."""
     found: list[Episode] = []
     failed = 0
     for sample in samples:
         episode = await oracle_episode(family, env, sample, golden(sample))
+        on_played()
         if episode is None:
             failed += 1
         else:
@@ -161,8 +163,8 @@ async def oracle_episodes(
 
 async def demonstrations(
     family: str, env: Environment, samples: Sequence[Mapping[str, Any]],
-    golden: Callable[[Mapping[str, Any]], Policy], encoder: ChatEncoder,
+    golden: Callable[[Mapping[str, Any]], Policy], encoder: ChatEncoder, on_played: Callable[[], None] = lambda: None,
 ) -> tuple[list[Demonstration], int]:
     """(demonstrations, oracle failures) for `samples`, in order; `golden(sample)` is the family's oracle."""
-    episodes, failed = await oracle_episodes(family, env, samples, golden)
+    episodes, failed = await oracle_episodes(family, env, samples, golden, on_played)
     return [tokenize(encoder, episode) for episode in episodes], failed

@@ -47,16 +47,18 @@ def loss_window(losses: list[float]) -> tuple[float, float]:
     return float(np.mean(losses[:window])), float(np.mean(losses[-window:]))
 
 
-def collect_demonstrations(settings: SftSettings, envs: EnvSettings,
-                           encoder: ChatEncoder) -> tuple[list[Demonstration], dict[str, dict[str, Any]]]:
+def collect_demonstrations(settings: SftSettings, envs: EnvSettings, encoder: ChatEncoder,
+                           quiet: bool = True) -> tuple[list[Demonstration], dict[str, dict[str, Any]]]:
     """Oracle episodes of each family's SFT split (settings.train_splits), tokenized as the agent loop records them, and per
     family what was built. Raises registry.UnknownFamily, DemonstrationError or FileNotFoundError."""
     demos: list[Demonstration] = []
     built: dict[str, dict[str, Any]] = {}
     for name in settings.families:
         pool = registry.samples(name, settings.train_splits[name], envs)[:settings.samples[name]]
+        bar = progress_bar(len(pool), f"demonstrations {name}", "episode", quiet)
         found, failed = asyncio.run(demonstrations(name, registry.environment(name, envs), pool,
-                                                   registry.family(name).golden, encoder))
+                                                   registry.family(name).golden, encoder, bar.update))
+        bar.close()
         demos += found
         built[name] = {"split": settings.train_splits[name], "demonstrations": len(found), "oracle_failures": failed,
                        "mean_tokens": float(np.mean([len(d.input_ids) for d in found])) if found else 0.0,
