@@ -98,6 +98,21 @@ def test_six_warm_starts_on_the_train_splits_it_trains_on_and_validates_on_held_
     assert cfg.policy.path != load_config(REPO_ROOT / "configs" / "cpu.yaml").policy.path
 
 
+def test_tiers_demonstrates_half_of_each_tiers_train_split_and_validates_on_held_out_tasks():
+    cfg = load_config(REPO_ROOT / "configs" / "tiers.yaml")
+    sources = dict(source.split(":") for source in cfg.mix.families)
+    assert split_error(cfg.policy.sft_splits) is None
+    # SFT shows the first half of db's and os's train splits: RL samples the whole split, half of it new.
+    assert cfg.policy.sft_samples["db"] * 2 == cfg.envs.db_tier_train_tasks
+    assert cfg.policy.sft_samples["os"] * 2 == cfg.envs.os_tier_train_tasks
+    assert (sources["db"], sources["os"]) == (cfg.policy.sft_splits["db"], cfg.policy.sft_splits["os"])
+    assert sources["calc"] != cfg.policy.sft_splits["calc"]  # calc's rl split: tasks no demonstration came from
+    held_out = dict(source.split(":") for source in cfg.mix.val_families if ":" in source)
+    assert all(split != cfg.policy.sft_splits[family] for family, split in held_out.items())
+    assert len({cfg.policy.path, load_config(REPO_ROOT / "configs" / "cpu.yaml").policy.path,
+                load_config(REPO_ROOT / "configs" / "six.yaml").policy.path}) == 3  # policies of their own
+
+
 def test_a_yaml_sft_split_without_a_count_is_a_configuration_error(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text("policy:\n  sft_splits: {db: easy-train}\n")
