@@ -34,7 +34,7 @@ from pipeline.engine.updates import EngineControl, UpdateRefused, download_versi
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
 from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
-from schemas.prometheus import MetricsHost, MetricsPort, serve_metrics
+from schemas.prometheus import MetricsHost, MetricsPort, reachable_host, serve_metrics
 
 # Where vLLM's OpenAI server reads the key it requires on /v1 routes (vllm/envs.py; the same as --api-key).
 API_KEY_ENV = "VLLM_API_KEY"
@@ -140,7 +140,7 @@ class EngineJob:
     @property
     def local_url(self) -> str:
         """Where the supervisor probes and updates its server; others are told the advertised address."""
-        return f"http://{'127.0.0.1' if self.host == '0.0.0.0' else self.host}:{self.port}"
+        return f"http://{reachable_host(self.host)}:{self.port}"
 
 
 class EngineFailed(RuntimeError):
