@@ -11,6 +11,8 @@ KAFKA_VERSION="${KAFKA_VERSION:-4.1.1}"
 KAFKA_HOST="${KAFKA_HOST:-127.0.0.1}"
 KAFKA_PORT="${KAFKA_PORT:-9092}"
 KAFKA_CONTROLLER_PORT="${KAFKA_CONTROLLER_PORT:-9093}"
+# The broker's SASL/SCRAM listener (security_protocol SASL_PLAINTEXT); 9092 stays unauthenticated for local work.
+KAFKA_SASL_PORT="${KAFKA_SASL_PORT:-9094}"
 KAFKA_HEAP_MB="${KAFKA_HEAP_MB:-768}"
 
 # MinIO's repository tags releases with RELEASE.* names, which Go cannot use: pin the

@@ -25,11 +25,17 @@ write_config() {
 process.roles=broker,controller
 node.id=1
 controller.quorum.voters=1@$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT
+listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,CONTROLLER://$KAFKA_HOST:$KAFKA_CONTROLLER_PORT,SASL_PLAINTEXT://$KAFKA_HOST:$KAFKA_SASL_PORT
+advertised.listeners=PLAINTEXT://$KAFKA_HOST:$KAFKA_PORT,SASL_PLAINTEXT://$KAFKA_HOST:$KAFKA_SASL_PORT
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,SASL_PLAINTEXT:SASL_PLAINTEXT
+# A second client listener that authenticates with SASL/SCRAM, as a secured cluster does. Its users are
+# SCRAM credentials in the cluster's metadata (kafka-configs.sh or the Admin API's
+# alterUserScramCredentials); there are none until someone creates them, so nobody gets in by default.
+sasl.enabled.mechanisms=SCRAM-SHA-256,SCRAM-SHA-512
+listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
+listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 log.dirs=$DIR/data
 num.partitions=4
 offsets.topic.replication.factor=1
@@ -49,7 +55,12 @@ PROPS
 }
 
 start() {
-  if pid_alive "$PIDFILE"; then log "Kafka already running (pid $(cat "$PIDFILE")) on $KAFKA_HOST:$KAFKA_PORT"; return 0; fi
+  if pid_alive "$PIDFILE"; then
+    log "Kafka already running (pid $(cat "$PIDFILE")) on $KAFKA_HOST:$KAFKA_PORT"
+    port_open "$KAFKA_HOST" "$KAFKA_SASL_PORT" ||
+      log "note: it has no SCRAM listener on $KAFKA_HOST:$KAFKA_SASL_PORT (started by an older version?): infra/down.sh, then up again, opens it"
+    return 0
+  fi
   if port_open "$KAFKA_HOST" "$KAFKA_PORT"; then die "port $KAFKA_HOST:$KAFKA_PORT is taken by another process; set KAFKA_PORT"; fi
   fetch
   write_config

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from pydantic import SecretStr
 
 from learner.broadcast import send_buckets
 from learner.manifest import specs_of
@@ -63,11 +64,13 @@ class PoolBroadcaster:
     join_timeout_s: float = 60.0
     """How long the group's rendezvous may take. An engine generates nothing while it waits to join, so
     when the learner's side fails (its port taken), the engine must give up soon, not after minutes."""
+    api_key: SecretStr | None = field(default=None, repr=False)
+    """The engines' API key (agent_loop.engine_api_key): their join and receive routes require it."""
     _group: Any = field(default=None, init=False, repr=False)
     broken: str | None = field(default=None, init=False)
 
     def _connect(self) -> None:
-        controls = [EngineControl(u, timeout_s=self.timeout_s) for u in self.urls]
+        controls = [EngineControl(u, timeout_s=self.timeout_s, api_key=self.api_key) for u in self.urls]
         # Every rank must join or the rendezvous waits its whole timeout: an engine that is down
         # (killed, restarting) fails the pool now, and its engines load from MinIO instead.
         down = []
@@ -103,7 +106,7 @@ class PoolBroadcaster:
         # Both sides plan the buckets from the same spec list in the same order: a different order
         # would be a collective size mismatch, which aborts the receiving worker.
         specs = specs_of(tensors)
-        controls = [EngineControl(u, timeout_s=self.timeout_s) for u in self.urls]
+        controls = [EngineControl(u, timeout_s=self.timeout_s, api_key=self.api_key) for u in self.urls]
         threads, results = _in_threads([
             (lambda c=c: c.receive(version, specs, self.bucket_size_bytes, src=0)) for c in controls])
         send_buckets(tensors, plan_buckets(specs, self.bucket_size_bytes), src=0,

@@ -8,7 +8,9 @@ distribution actually sampled from, which the learner's PPO ratio needs) and our
 the API server process, where it reaches the engine through `app.state.engine_client`. It
 
 - stamps every response with `x-rollstream-weight-version`;
-- serves `/rollstream/state`, `/rollstream/load`, `/rollstream/join`, `/rollstream/receive`;
+- serves `/rollstream/state`, `/rollstream/load`, `/rollstream/join`, `/rollstream/receive`; when the
+  server has an API key (`VLLM_API_KEY`, as `rollstream engine` gives it), the three that change the
+  weights answer 401 to a request without `Authorization: Bearer KEY`, as vLLM's /v1 routes do;
 - makes updates exact (see pipeline/engine/__init__.py): an update closes a gate in front of
   the other routes, waits until no request is in flight, loads, resets the prefix cache, sets
   the version, and reopens the gate. So the version cannot change while a request is inside,
@@ -21,6 +23,7 @@ HTTP 422 with {"error": ...}, and the previous version stays loaded and keeps be
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import os
 import sys
@@ -32,6 +35,7 @@ from typing import Any
 WEIGHT_VERSION_HEADER = b"x-rollstream-weight-version"  # env_workers/engine_client.py reads it
 INITIAL_VERSION_ENV = "ROLLSTREAM_ENGINE_INITIAL_VERSION"
 CONTROL_PREFIX = "/rollstream/"
+API_KEY_ENV = "VLLM_API_KEY"  # vLLM's own: its --api-key, read from the environment by its server too
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -101,6 +105,14 @@ async def _read_json(receive: Receive) -> dict[str, Any]:
     return json.loads(body or b"{}")
 
 
+def authorized(scope: Scope, api_key: str) -> bool:
+    """Whether the request carries `Authorization: Bearer <api_key>` (any request, when there is no key)."""
+    if not api_key:
+        return True
+    sent = dict(scope.get("headers") or []).get(b"authorization", b"")
+    return hmac.compare_digest(sent, f"Bearer {api_key}".encode())
+
+
 async def _respond(send: Send, status: int, payload: dict[str, Any], version: int) -> None:
     data = json.dumps(payload).encode()
     await send({"type": "http.response.start", "status": status, "headers": [
@@ -160,6 +172,11 @@ class WeightVersionMiddleware:
             return
         if scope["method"] != "POST" or route not in ("load", "join", "receive"):
             await _respond(send, 404, {"error": f"no control route {scope['method']} {scope['path']}"}, state.version)
+            return
+        # Whoever may load weights decides what the policy is: the same key as the OpenAI routes.
+        if not authorized(scope, os.environ.get(API_KEY_ENV, "")):
+            await _respond(send, 401, {"error": f"{scope['path']} needs the engine's API key (Authorization: Bearer)"},
+                           state.version)
             return
         try:
             body = await _read_json(receive)

@@ -29,15 +29,13 @@ from learner.manifest import ShardIntegrityError
 from pipeline.engine.health import wait_until_serving
 from pipeline.engine.heartbeat import PROMETHEUS, Heartbeat
 from pipeline.engine.launch import popen_tied, set_session_niceness
-from pipeline.engine.server import INITIAL_VERSION_ENV, vllm_command
+from pipeline.engine.server import API_KEY_ENV, INITIAL_VERSION_ENV, vllm_command
 from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
 from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
 from schemas.prometheus import MetricsHost, MetricsPort, reachable_host, serve_metrics
 
-# Where vLLM's OpenAI server reads the key it requires on /v1 routes (vllm/envs.py; the same as --api-key).
-API_KEY_ENV = "VLLM_API_KEY"
 # How long a stopping engine waits for its last heartbeat to be acknowledged (the broker may be gone).
 STOP_FLUSH_S = 10.0
 
@@ -211,7 +209,7 @@ def _supervise(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob, 
         producer = EventProducer(cfg.kafka, client_id=f"engine-{job.engine_id}")
         consumer = EventConsumer(cfg.kafka, f"rollstream-engine-{job.engine_id}", [topics.WEIGHTS],
                                  client_id=f"engine-{job.engine_id}", dlq=producer)
-        follower = WeightFollower(consumer, mc, EngineControl(url), pool=settings.pool, run=job.run,
+        follower = WeightFollower(consumer, mc, EngineControl(url, api_key=cfg.agent_loop.engine_api_key), pool=settings.pool, run=job.run,
                                   stale_step=settings.stale_step, download_root=job.work_dir / job.engine_id)
         heartbeat = Heartbeat(producer, engine_id=job.engine_id, run=job.run, pool=settings.pool,
                               url=job.advertise_url or url, model=str(job.model),

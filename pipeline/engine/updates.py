@@ -45,6 +45,9 @@ import httpx
 import torch
 import torch.distributed as dist
 from minio import Minio
+from pydantic import SecretStr
+
+from env_workers.engine_client import auth_headers
 
 from learner.delta import apply_delta, catch_up_plan
 from learner.manifest import ShardIntegrityError, decode_version, read_version, verify_shard, write_version
@@ -200,12 +203,13 @@ class EngineControl:
     """Client of one engine's /rollstream/* control surface (synchronous; calls block until the
     update is done, which includes draining the requests in flight)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 900.0) -> None:
+    def __init__(self, base_url: str, *, timeout_s: float = 900.0, api_key: SecretStr | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.timeout_s = timeout_s
+        self.headers = auth_headers(api_key)  # the engine's key (agent_loop.engine_api_key), when it has one
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = httpx.post(f"{self.base_url}{path}", json=body, timeout=self.timeout_s)
+        response = httpx.post(f"{self.base_url}{path}", json=body, headers=self.headers, timeout=self.timeout_s)
         payload = response.json()
         if response.status_code != 200:
             raise UpdateRefused(payload.get("error", response.text))

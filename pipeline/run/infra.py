@@ -14,7 +14,7 @@ from typing import Any
 
 import urllib3
 import yaml
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaError, KafkaException
 from confluent_kafka.admin import AdminClient, ConfigResource, NewTopic
 from minio import Minio
 from minio.commonconfig import ENABLED, Filter
@@ -66,13 +66,25 @@ def wait_for_kafka(kafka: KafkaSettings, timeout_s: float = 60.0) -> None:
     """Returns once the broker answers a metadata request; raises Unreachable after `timeout_s`."""
     # librdkafka's own log (a line per refused connection, written past Python's stderr) is off for the
     # probe: what went wrong is the one line of Unreachable.
-    admin = AdminClient(kafka.as_confluent(log_level=0))
+    refused: list[KafkaError] = []
+
+    def on_error(error: KafkaError) -> None:
+        if error.code() == KafkaError._AUTHENTICATION:
+            refused.append(error)
+
+    admin = AdminClient(kafka.as_confluent(log_level=0, error_cb=on_error))
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             admin.list_topics(timeout=max(0.1, min(5.0, deadline - time.monotonic())))
             return
         except KafkaException as e:  # while the broker starts, or when it is not there
+            # Wrong credentials will not come right by waiting, and "did not answer" would send the user
+            # looking for a broker that is there. librdkafka hands errors to error_cb only when polled.
+            admin.poll(0)
+            if refused:
+                raise Unreachable(f"Kafka at {kafka.bootstrap_servers} refused the credentials of "
+                                  f"{kafka.sasl_username or 'this client'!r} ({refused[0].str()})") from None
             if time.monotonic() >= deadline:
                 reason = e.args[0] if e.args else e
                 reason = reason.str() if hasattr(reason, "str") else str(reason)

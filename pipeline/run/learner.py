@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from pydantic import SecretStr
 
 from learner import distributed
 from learner.checkpoint import TrainingState
@@ -67,7 +68,7 @@ class _StopFlag:
         self.set = True
 
 
-def _broadcaster(job: LearnerJob, settings: LearnerSettings) -> EngineBroadcaster | None:
+def _broadcaster(job: LearnerJob, settings: LearnerSettings, api_key: SecretStr | None) -> EngineBroadcaster | None:
     """The fast path to the engines named on the command line, or None (MinIO only)."""
     pools = {}
     for offset, (pool, urls) in enumerate((("current", job.broadcast_current), ("stale", job.broadcast_stale))):
@@ -75,7 +76,7 @@ def _broadcaster(job: LearnerJob, settings: LearnerSettings) -> EngineBroadcaste
         if urls_list:
             port = job.broadcast_port + offset if job.broadcast_port else 0
             pools[pool] = PoolBroadcaster(pool, urls_list, job.broadcast_host, port, settings.bucket_size_bytes,
-                                          backend="nccl" if torch.cuda.is_available() else "gloo")
+                                          backend="nccl" if torch.cuda.is_available() else "gloo", api_key=api_key)
     if not pools:
         return None
     return EngineBroadcaster(pools.get("current"), pools.get("stale"), settings.stale_step)
@@ -125,7 +126,7 @@ def _lead(cfg: RollstreamConfig, settings: LearnerSettings, job: LearnerJob, pol
         critic = make_critic(model, settings) if settings.sao else None
         loop = LearnerLoop(
             run=job.run, settings=settings, model=model, optimizer=optimizer,
-            broadcaster=_broadcaster(job, settings), critic=critic,
+            broadcaster=_broadcaster(job, settings, cfg.agent_loop.engine_api_key), critic=critic,
             step_fn=functools.partial(train_step, model, ref, optimizer, settings=settings, critic=critic),
             model_config=model_config, template_fingerprint=policy_template(job.model_path),
             max_steps=job.max_steps, idle_exit_s=job.idle_exit_s, kafka=cfg.kafka, mc=mc, producer=producer,

@@ -1,7 +1,8 @@
 """`rollstream up` on the real stack, scaled down: dispatcher → router → env workers → engines →
 aggregator → batcher → learner → weight publish → engines on the new version; then the report,
-`replay verify`, and nothing left running. And in the middle of a run every process answers on its
-metrics port, and Ctrl-C stops it cleanly.
+`replay verify`, and nothing left running, every process authenticated to Kafka with SASL/SCRAM as a
+user the test creates. And in the middle of a run (on the plaintext listener) every process answers on
+its metrics port, and Ctrl-C stops it cleanly.
 
 The policy is a freshly initialized small model: these tests are about the pipeline, not about
 learning (the default run's report is where learning is measured).
@@ -10,6 +11,7 @@ learning (the default run's report is where learning is measured).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -23,6 +25,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from helpers.policy import tiny_policy
+from helpers.scram import client_environment, sasl_bootstrap, scram_user
 from pipeline.run.config import REPO_ROOT
 from schemas.prometheus import metrics_line
 
@@ -67,13 +70,19 @@ def _left_running(run: str) -> list[str]:
 
 
 @pytest.mark.timeout(RUN_LIMIT_S + 600)
-def test_up_trains_updates_both_pools_reports_and_replays_clean(infra, model, tmp_path):
+def test_up_over_scram_trains_updates_both_pools_reports_and_replays_clean(infra, model, tmp_path):
     run = f"e2e-{uuid.uuid4().hex[:8]}"
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "up", "--config", str(_config(tmp_path, model)),
-                           "--run", run, "--json", "--no-live"], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=RUN_LIMIT_S)
-    assert done.returncode == 0, done.stderr[-4000:]
-    summary = json.loads(done.stdout)
+    with scram_user(infra.kafka) as (user, password):
+        env = {**os.environ, **client_environment(infra.kafka, user, password)}
+        done = subprocess.run([sys.executable, "-m", "pipeline.cli", "up", "--config", str(_config(tmp_path, model)),
+                               "--run", run, "--json", "--no-live"], cwd=REPO_ROOT, env=env, capture_output=True,
+                              text=True, timeout=RUN_LIMIT_S)
+        assert done.returncode == 0, done.stderr[-4000:]
+        summary = json.loads(done.stdout)
+        verify = subprocess.run([sys.executable, "-m", "pipeline.cli", "replay", "verify", "--run", run, "--json",
+                                 "--from", summary["started_at"]],
+                                cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert verify.returncode == 0, verify.stdout[-4000:] + verify.stderr[-2000:]
     assert summary["outcome"] == "finished"
     progress = summary["progress"]
     assert progress["learner_version"] == MAX_STEPS and progress["learner_step"] == MAX_STEPS
@@ -90,10 +99,12 @@ def test_up_trains_updates_both_pools_reports_and_replays_clean(infra, model, tm
     assert {"calc", "db"} <= set(report["tasks"])
     assert all((Path(summary["run_dir"]) / f).stat().st_size > 0 for f in report["figures"])
 
-    verify = subprocess.run([sys.executable, "-m", "pipeline.cli", "replay", "verify", "--run", run, "--json",
-                             "--from", summary["started_at"]],
-                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
-    assert verify.returncode == 0, verify.stdout[-4000:] + verify.stderr[-2000:]
+    # What every child process was given: the SCRAM listener and the user, in a file only its owner reads.
+    given = Path(summary["run_dir"]) / "settings" / "config.json"
+    kafka = json.loads(given.read_text())["kafka"]
+    assert (kafka["bootstrap_servers"], kafka["security_protocol"], kafka["sasl_username"]) == (
+        sasl_bootstrap(infra.kafka), "SASL_PLAINTEXT", user)
+    assert given.stat().st_mode & 0o077 == 0
 
 
 def _samples(url: str) -> dict[tuple[str, tuple], float]:
