@@ -198,6 +198,10 @@ def test_engine_refuses_requests_without_its_key_and_serves_them_with_it(engine)
     assert httpx.get(f"{engine.url}/v1/models", timeout=30).status_code == 401
     assert httpx.get(f"{engine.url}/v1/models", headers=auth_headers(SecretStr("wrong")), timeout=30).status_code == 401
     assert httpx.get(f"{engine.url}/v1/models", headers=auth_headers(ENGINE_KEY), timeout=30).status_code == 200
+    # The routes that change the weights want it too; the state route stays open to probes.
+    assert httpx.post(f"{engine.url}/rollstream/load", json={"version": 1, "path": "/nowhere"},
+                      timeout=30).status_code == 401
+    assert httpx.get(f"{engine.url}/rollstream/state", timeout=30).json()["version"] == 0
 
 
 def test_stop_token_is_returned_with_its_logprob(engine, encoder):
