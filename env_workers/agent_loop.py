@@ -45,6 +45,12 @@ the record cannot fit another turn or an environment answer within max_total_len
 the engines stay unreachable after retries or the environment raises (infrastructure: not
 punished, masked out by the learner). A final status in `settings.punished_statuses` (by default
 the turn and length limits) gets reward incomplete_punishment; any other keeps the environment's.
+
+Behaviour (ARCHITECTURE.md "Metrics"): the trajectory's `metrics` also count its tool calls
+(`parsed_calls`: those of its step events), the calls that repeat an earlier one of the
+trajectory (`repeated_calls`: the same schemas.behaviour.call_signature) and the calls whose
+arguments hold a dangerous command (`dangerous_calls`, and `dangerous_calls:<pattern>` per pattern
+of schemas.behaviour). They are only counted: the policy's turn goes on exactly as without them.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from env_workers.latency import step_delay_s
 from env_workers.settings import AgentLoopSettings
 from env_workers.tool_parser import ParsedMessage, parse_error_message, parse_tool_calls
 from schemas.arrays import pack_ids, pack_logprobs, pack_mask
+from schemas.behaviour import call_signature, dangerous_call
 from schemas.ids import trajectory_id
 
 log = logging.getLogger(__name__)
@@ -230,7 +237,10 @@ class _Loop:
         self.steps: list[dict[str, Any]] = []
         self.env_metrics: dict[str, float] = {}
         self.loop_metrics = {"parse_errors": 0.0, "engine_retries": 0.0, "pool_fallbacks": 0.0,
-                             "noncanonical_turns": 0.0, "noncanonical_valid_calls": 0.0}
+                             "noncanonical_turns": 0.0, "noncanonical_valid_calls": 0.0,
+                             "parsed_calls": 0.0, "repeated_calls": 0.0, "dangerous_calls": 0.0}
+        self.call_signatures: set[str] = set()
+        """schemas.behaviour.call_signature of every tool call so far: a call among them is a repeat."""
 
     # --- one turn's engine call -----------------------------------------------------------------
 
@@ -299,9 +309,28 @@ class _Loop:
     def add_turn(self, record: TurnRecord) -> None:
         self.turns.append(record.turn_entry())
         step = record.step_event(self.request, self.id)
+        self.count_calls(step["tool_calls"])
         self.steps.append(step)
         if self.on_step is not None:
             self.on_step(step)
+
+    def count_calls(self, calls: Sequence[Mapping[str, str]]) -> None:
+        """Counts a turn's tool calls (the step event's, so the trajectory's counts and its steps
+        agree): all of them, those repeating an earlier call of the trajectory (a tool-call loop
+        repeats the same call), and those whose arguments hold a dangerous command, in total and
+        per pattern (`dangerous_calls:<pattern>`, only once one is seen: most trajectories have none).
+        Only counted: the environment still runs every call, and its sandbox is what contains them."""
+        for call in calls:
+            signature = call_signature(call["name"], call["arguments_json"])
+            self.loop_metrics["parsed_calls"] += 1
+            if signature in self.call_signatures:
+                self.loop_metrics["repeated_calls"] += 1
+            self.call_signatures.add(signature)
+            pattern = dangerous_call(call["arguments_json"])
+            if pattern is not None:
+                self.loop_metrics["dangerous_calls"] += 1
+                key = f"dangerous_calls:{pattern}"
+                self.loop_metrics[key] = self.loop_metrics.get(key, 0.0) + 1
 
     def count_valid_calls(self, parsed: ParsedMessage) -> None:
         """Counts a non-canonical turn whose text parses into calls of the session's tools."""

@@ -258,6 +258,37 @@ def test_malformed_tool_call_becomes_an_error_message_the_policy_sees_and_is_cou
     assert encoder.encode(rollout.messages, TOOLS, False) == arrays(rollout)[0]
 
 
+SAME_CALL_REORDERED = '<tool_call>\n{"arguments": {"b": 2, "a": 1}, "name": "add"}\n</tool_call>'
+DANGEROUS_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2, "note": "rm -rf /"}}\n</tool_call>'
+
+
+def test_repeated_and_dangerous_calls_are_counted_per_trajectory(encoder):
+    env = FakeEnv(rounds=4)
+    bad = '<tool_call>\n{"name": "add", "arguments": {"a": 1,}}\n</tool_call>'
+    rollout = run(encoder, env, ScriptedEngine(encoder, [CALL, SAME_CALL_REORDERED, bad, DANGEROUS_CALL, CALL]))
+    m = rollout.trajectory["metrics"]
+    # calls: add(1,2), the same with its keys reordered (a repeat), none (unparsable), the dangerous one, add(1,2) again
+    assert (m["parsed_calls"], m["repeated_calls"], m["dangerous_calls"]) == (4.0, 2.0, 1.0)
+    assert m["dangerous_calls:recursive_delete"] == 1.0
+    assert m["parsed_calls"] == sum(len(step["tool_calls"]) for step in rollout.steps)
+
+
+def test_a_dangerous_call_still_reaches_the_environment_unchanged(encoder):
+    env = FakeEnv(rounds=1)
+    rollout = run(encoder, env, ScriptedEngine(encoder, [DANGEROUS_CALL]))
+    assert json.loads(env.seen[0]["tool_calls"][0]["function"]["arguments"])["note"] == "rm -rf /"
+    assert rollout.trajectory["status"] == "completed" and rollout.trajectory["reward"] == 1.0
+
+
+def test_behaviour_metrics_are_present_and_zero_in_a_rollout_without_repeats_or_danger(encoder):
+    rollout = run(encoder, FakeEnv(rounds=2), ScriptedEngine(encoder, [CALL, "The answer is 3."]))
+    m = rollout.trajectory["metrics"]
+    assert (m["parsed_calls"], m["repeated_calls"], m["dangerous_calls"]) == (1.0, 0.0, 0.0)
+    assert not [key for key in m if key.startswith("dangerous_calls:")]
+    empty = run(encoder, FakeEnv(crash_on_start=True), ScriptedEngine(encoder, [CALL])).trajectory["metrics"]
+    assert (empty["parsed_calls"], empty["repeated_calls"], empty["dangerous_calls"]) == (0.0, 0.0, 0.0)
+
+
 def test_engine_error_is_retried_with_the_same_prompt_tokens_without_touching_the_record(encoder):
     clean = run(encoder, FakeEnv(rounds=2), ScriptedEngine(encoder, [CALL, CALL]))
     flaky_engine = ScriptedEngine(encoder, [CALL, EngineError("connection reset"), EngineError("timeout"), CALL])
