@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.analysis import evaluation
 from schemas import codec, topics
+from streams import behaviour
 
 Event = Mapping[str, Any]
 Events = Mapping[str, Sequence[Event]]
@@ -461,6 +462,43 @@ def learning_signal(groups: Sequence[Event], metrics: Iterable[Event] = (),
     return dict(sorted(out.items()))
 
 
+def _opt(x: float | None, fmt: str) -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def _dangerous(f: Mapping[str, Any]) -> str:
+    """"3 (network 2, system_write 1)": the count, then per pattern."""
+    by_pattern = ", ".join(f"{pattern} {n}" for pattern, n in f["dangerous_by_pattern"].items())
+    return f"{f['dangerous_calls']} ({by_pattern})" if by_pattern else str(f["dangerous_calls"])
+
+
+def _behaviour_section(figures: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """How the policy acted, per task (streams/behaviour.py defines each figure; the live metrics
+    publish the same ones as streams/<figure>)."""
+    lines = ["## Behaviour", "",
+             "All rollouts of the run, training and validation. Invalid output: steps whose text did not parse "
+             "into tool calls; truncated: steps stopped at the token limit; NLL/token: mean negative log-prob "
+             "of the sampled tokens (a per-token entropy estimate); call success: calls whose step did not end "
+             "the session as invalid action, invalid output or task error; tool errors: calls the environment "
+             "rejected, by its own count; repeated: calls identical to an earlier call of their trajectory; "
+             "dangerous: calls holding a dangerous command (patterns in schemas/behaviour.py).", ""]
+    if not figures:
+        return lines + ["_No steps or trajectories yet._", ""]
+    lines += _table(["task", "steps", "invalid output", "truncated", "tokens/step", "NLL/token", "calls",
+                     "call success", "tool errors", "repeated", "dangerous"],
+                    [[task, f["steps"], _opt(f["invalid_output_share"], "{:.1%}"),
+                      _opt(f["truncation_share"], "{:.1%}"), _opt(f["response_tokens_per_step"], "{:.1f}"),
+                      _opt(f["mean_token_nll"], "{:.3f}"), f["calls"],
+                      _opt(f["call_success_rate"], "{:.1%}"), _opt(f["tool_error_share"], "{:.1%}"),
+                      _opt(f["repeated_call_share"], "{:.1%}"), _dangerous(f)]
+                     for task, f in figures.items()])
+    tools = [[task, tool, t["calls"], _opt(t["success_rate"], "{:.1%}")]
+             for task, f in figures.items() for tool, t in f["tools"].items()]
+    if tools:
+        lines += ["### Calls per tool", ""] + _table(["task", "tool", "calls", "call success"], tools)
+    return lines
+
+
 def _training_section(train: Sequence[Event], signal: Mapping[str, Mapping[str, int]],
                       figure: str | None) -> list[str]:
     lines = ["## Training success and reward over learner versions", ""]
@@ -554,6 +592,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
     signal = learning_signal(groups, ev.get(topics.METRICS, []), val_groups)
     share = stale_share_over_time(turns, t0, bucket_s)
     rate = throughput_over_time(trajs, t0, bucket_s)
+    acted = {task: behaviour.figures(c) for task, c in behaviour.per_task(steps, trajs).items()}
     learner = learner_series(ev.get(topics.METRICS, []), (*LOSS_METRICS, *KL_METRICS, *CLIP_METRICS))
     health = {
         "staleness": figure("staleness.png", lambda p: plot_staleness(staleness, p, dpi), bool(staleness)),
@@ -565,7 +604,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
 
     summary = {"run": run, "duration_s": (span[1] - span[0]) / 1000.0 if span else 0.0,
                "learner_steps": learner_steps(ev.get(topics.WEIGHTS, [])), "tasks": tasks,
-               "trajectories": len(trajs), "figures": written, "learning_signal": signal}
+               "trajectories": len(trajs), "figures": written, "learning_signal": signal, "behaviour": acted}
     lines = [f"# Run `{run}`", "",
              f"- Duration: {summary['duration_s']:.0f} s (first to last event of the run)",
              f"- Learner steps: {summary['learner_steps']}",
@@ -573,6 +612,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
              f"- Groups trained: {len(staleness)}", ""]
     lines += _evaluation_section(tasks, val, rounds, eval_fig)
     lines += _termination_section(train, val)
+    lines += _behaviour_section(acted)
     lines += _training_section(train, signal, curve_fig)
     lines += _pipeline_sections(staleness, turn_source, turns, health)
     if config:  # last: long, and read only when a figure above needs explaining

@@ -1,5 +1,5 @@
 """Behaviour monitoring's pure parts: the dangerous-command patterns and call signatures
-(schemas/behaviour.py)."""
+(schemas/behaviour.py), and the per-task counters and figures built on them (streams/behaviour.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from schemas import arrays, samples
 from schemas.behaviour import (
     DANGEROUS_PATTERNS,
     MAX_SCAN_CHARS,
@@ -17,6 +18,7 @@ from schemas.behaviour import (
     dangerous_call,
     dangerous_command,
 )
+from streams import behaviour
 
 CAUGHT = {
     "recursive_delete": [
@@ -145,3 +147,85 @@ def test_different_calls_have_different_signatures():
 
 def test_a_signature_of_arguments_that_are_no_json_is_their_stripped_text():
     assert call_signature("f", "  not json ") == call_signature("f", "not json") == "f(not json)"
+
+
+# --- streams/behaviour.py: counters and figures ----------------------------------------------------
+
+def step(**changes) -> dict:
+    return {**samples.step(), **changes}
+
+
+def call(name: str, arguments: dict | None = None) -> dict:
+    return {"name": name, "arguments_json": json.dumps(arguments or {})}
+
+
+def test_a_step_counts_invalid_output_truncation_tokens_and_negative_log_probs():
+    c = behaviour.count_step({}, step(parse_error="unterminated <tool_call>", finish_reason="length", tool_calls=[]))
+    c = behaviour.count_step(c, step())  # 3 tokens, log-probs -0.5, -1.25, -0.125, one execute_sql call
+    assert (c["invalid_outputs"], c["truncated_steps"], c["response_tokens"], c["calls"]) == (1, 1, 6, 1)
+    assert c["nll_sum"] == pytest.approx(2 * 1.875)
+    c["steps"] = 2
+    f = behaviour.figures(c)
+    assert (f["invalid_output_share"], f["truncation_share"], f["response_tokens_per_step"]) == (0.5, 0.5, 3.0)
+    assert f["mean_token_nll"] == pytest.approx(1.875 / 3)
+
+
+def test_non_finite_log_probs_are_left_out_of_the_sum():
+    c = behaviour.count_step({}, step(output_logprobs=arrays.pack_logprobs([-1.0, float("-inf"), float("nan")])))
+    assert c["nll_sum"] == 1.0
+
+
+@pytest.mark.parametrize("status", ["agent_invalid_action", "agent_validation_failed", "task_error"])
+def test_calls_of_a_step_that_ended_as_a_policy_or_environment_failure_did_not_succeed(status):
+    assert not behaviour.call_succeeded(status)
+
+
+@pytest.mark.parametrize("status", ["running", "completed", "task_limit_reached", "agent_context_limit"])
+def test_calls_of_any_other_step_succeeded(status):
+    assert behaviour.call_succeeded(status)
+
+
+def test_calls_are_counted_per_tool_with_their_success():
+    c = behaviour.count_step({}, step(tool_calls=[call("ls"), call("cat"), call("ls")], env_status="running"))
+    c = behaviour.count_step(c, step(tool_calls=[call("ls")], env_status="task_error"))
+    f = behaviour.figures(c)
+    assert f["calls"] == 4 and f["call_success_rate"] == 0.75
+    assert f["tools"] == {"cat": {"calls": 1, "success_rate": 1.0}, "ls": {"calls": 3, "success_rate": 2 / 3}}
+
+
+def test_a_row_keeps_a_bounded_number_of_tool_names_and_odd_names_count_as_other():
+    c: dict = {}
+    for i in range(behaviour.MAX_TOOLS_PER_ROW + 5):
+        c = behaviour.count_step(c, step(tool_calls=[call(f"tool_{i}")]))
+    c = behaviour.count_step(c, step(tool_calls=[call("tool_0")]))  # a name already counted stays itself
+    tools = behaviour.figures(c)["tools"]
+    assert len(tools) == behaviour.MAX_TOOLS_PER_ROW + 1 and tools[behaviour.OTHER_TOOL]["calls"] == 5
+    assert tools["tool_0"]["calls"] == 2
+    assert behaviour.tool_label("rm -rf /; x", []) == behaviour.OTHER_TOOL
+    assert behaviour.tool_label("x" * 65, []) == behaviour.OTHER_TOOL
+
+
+def test_a_trajectory_adds_its_call_metrics_and_only_declared_patterns():
+    metrics = {"parsed_calls": 4.0, "repeated_calls": 1.0, "dangerous_calls": 2.0, "dangerous_calls:network": 2.0,
+               "dangerous_calls:made_up": 7.0, "tool_calls": 4.0, "tool_errors": 1.0}
+    c = behaviour.count_trajectory({}, {"metrics": metrics})
+    c = behaviour.count_trajectory(c, {"metrics": {**metrics, "repeated_calls": 3.0}})
+    c = behaviour.count_trajectory(c, {"metrics": {}})  # e.g. an environment that never started
+    f = behaviour.figures(c)
+    assert (f["repeated_call_share"], f["dangerous_calls"], f["tool_error_share"]) == (0.5, 4, 0.25)
+    assert f["dangerous_by_pattern"] == {"network": 4}
+
+
+def test_figures_without_their_denominators_are_none():
+    f = behaviour.figures({})
+    assert f["steps"] == 0 and f["calls"] == 0 and f["dangerous_calls"] == 0
+    assert all(f[k] is None for k in ("invalid_output_share", "truncation_share", "response_tokens_per_step",
+                                      "mean_token_nll", "call_success_rate", "tool_error_share", "repeated_call_share"))
+
+
+def test_per_task_folds_each_tasks_steps_and_trajectories():
+    out = behaviour.per_task([step(task="db"), step(task="db"), step(task="os", tool_calls=[])],
+                             [{"task": "os", "metrics": {"parsed_calls": 2.0, "repeated_calls": 1.0}}])
+    assert list(out) == ["db", "os"]
+    assert (out["db"]["steps"], out["db"]["calls"], out["os"]["steps"], out["os"]["calls"]) == (2, 2, 1, 0)
+    assert behaviour.figures(out["os"])["repeated_call_share"] == 0.5

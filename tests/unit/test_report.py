@@ -195,6 +195,7 @@ def test_report_of_a_synthetic_run_has_every_file_and_the_hand_computed_summary(
     assert "Wilson intervals" in report and "paired per held-out sample" in report
     assert calc["criterion"] == "disjoint intervals"  # too few samples to pair: the conservative rule decides
     assert "| db | 8 |" in report  # training termination table: 8 db trajectories
+    assert summary["behaviour"]["calc"]["steps"] == 16 and summary["behaviour"]["db"]["mean_token_nll"] == 0.5
 
 
 def test_run_without_validation_still_builds_and_says_so(tmp_path: Path) -> None:
@@ -208,10 +209,32 @@ def test_run_without_validation_still_builds_and_says_so(tmp_path: Path) -> None
     assert (tmp_path / "staleness.png").stat().st_size > 0
 
 
+def test_report_has_a_behaviour_table_per_task_with_its_calls_per_tool(tmp_path: Path) -> None:
+    ok, loop = (trajectory("calc", "train", k, 0, 0, k == 0) for k in range(2))
+    loop["metrics"] = {"parsed_calls": 2.0, "repeated_calls": 1.0, "dangerous_calls": 1.0,
+                       "dangerous_calls:network": 1.0, "tool_calls": 2.0, "tool_errors": 1.0}
+    add = {"name": "add", "arguments_json": '{"a": 1, "b": 2}'}
+    steps = [{**step_of(ok, ok["turns"][0]), "tool_calls": [add]},
+             {**step_of(ok, ok["turns"][1]), "tool_calls": [], "parse_error": "no call", "finish_reason": "length"},
+             {**step_of(loop, loop["turns"][0]), "tool_calls": [add], "env_status": "task_error"},
+             {**step_of(loop, loop["turns"][1]), "tool_calls": [add]}]
+    summary = build_report({topics.TRAJECTORIES: [ok, loop], topics.STEPS: steps}, tmp_path, RUN,
+                           settings=ReportSettings(dpi=50))
+    calc = summary["behaviour"]["calc"]
+    assert (calc["steps"], calc["invalid_output_share"], calc["truncation_share"], calc["calls"]) == (4, 0.25, 0.25, 3)
+    assert (calc["call_success_rate"], calc["tool_error_share"], calc["repeated_call_share"]) == (2 / 3, 0.5, 0.5)
+    assert calc["dangerous_by_pattern"] == {"network": 1}
+    assert json.loads((tmp_path / "summary.json").read_text())["behaviour"] == summary["behaviour"]
+    report = (tmp_path / "report.md").read_text()
+    assert "## Behaviour" in report
+    assert "| calc | 4 | 25.0% | 25.0% | 1.0 | 0.500 | 3 | 66.7% | 50.0% | 50.0% | 1 (network 1) |" in report
+    assert "| calc | add | 3 | 66.7% |" in report
+
+
 def test_run_with_no_events_builds_an_empty_report(tmp_path: Path) -> None:
     summary = build_report({}, tmp_path / "empty", RUN)
     assert summary == {"run": RUN, "duration_s": 0.0, "learner_steps": 0, "tasks": {}, "trajectories": 0,
-                       "figures": [], "learning_signal": {}}
+                       "figures": [], "learning_signal": {}, "behaviour": {}}
     assert "No trajectories in this run yet" in (tmp_path / "empty" / "report.md").read_text()
 
 

@@ -5,6 +5,7 @@ handlers runs against the real one in tests/integration/test_streams_*.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 
 import faust
@@ -408,6 +409,40 @@ def test_metrics_summary_has_the_per_task_figures():
     names = {e["name"] for e in met.metric_events(summary, "w", T0)}
     assert {"streams/success_rate", "streams/stale_turn_share", "streams/status_share", "streams/dropped_share",
             "streams/staleness_count"} <= names
+
+
+def test_metrics_summary_has_the_per_task_behaviour_figures_and_publishes_them():
+    row = None
+    ls, rm = ({"name": "bash_action", "arguments_json": json.dumps({"script": s})} for s in ("ls", "rm -rf /"))
+    for step in ({**samples.step(), "tool_calls": [ls, rm], "finish_reason": "length"},
+                 {**samples.step(), "tool_calls": [ls], "env_status": "task_error"},
+                 {**samples.step(), "tool_calls": [], "parse_error": "no closing tag"},
+                 samples.step()):  # execute_sql, stop, running
+        row = met.count_event(row, met.STEP, step)
+    t = trajectory("r", "g", 0, N, 1.0, num_tokens=16)
+    t.update(score=None, metrics={"parsed_calls": 3.0, "repeated_calls": 1.0, "dangerous_calls": 1.0,
+                                  "dangerous_calls:recursive_delete": 1.0, "tool_calls": 3.0, "tool_errors": 0.0})
+    row = met.count_event(row, met.TRAJECTORY, t)
+    assert not [k for k, v in row.items() if isinstance(v, (dict, list))]  # counters only
+    summary = met.summarize([("r|db|0", row), ("r|db|1", met.count_event(None, met.STEP, samples.step()))], [])
+    b = summary["r"]["tasks"]["db"]["behaviour"]
+    assert (b["steps"], b["invalid_output_share"], b["truncation_share"]) == (5, 0.2, 0.2)
+    assert b["response_tokens_per_step"] == 3.0
+    assert b["mean_token_nll"] == pytest.approx(1.875 / 3)
+    assert b["tools"] == {"bash_action": {"calls": 3, "success_rate": 2 / 3},
+                          "execute_sql": {"calls": 2, "success_rate": 1.0}}
+    assert (b["calls"], b["call_success_rate"], b["tool_error_share"]) == (5, 0.8, 0.0)
+    assert (b["repeated_call_share"], b["dangerous_calls"]) == (1 / 3, 1)
+    assert b["dangerous_by_pattern"] == {"recursive_delete": 1}
+    assert summary["r"]["tasks"]["db"]["steps"] == 5  # the existing figures are untouched
+    events = {(e["name"], tuple(sorted((k, v) for k, v in e["labels"].items() if k != "worker"))): e["value"]
+              for e in met.metric_events(summary, "w", T0)}
+    assert events[("streams/truncation_share", (("task", "db"),))] == 0.2
+    assert events[("streams/dangerous_calls", (("task", "db"),))] == 1.0
+    assert events[("streams/tool_success_rate", (("task", "db"), ("tool", "bash_action")))] == pytest.approx(2 / 3)
+    assert events[("streams/tool_calls", (("task", "db"), ("tool", "execute_sql")))] == 2.0
+    assert events[("streams/dangerous_calls_by_pattern", (("pattern", "recursive_delete"), ("task", "db")))] == 1.0
+    assert {f"streams/{figure}" for figure in met.BEHAVIOUR_FIGURES} <= {name for name, _ in events}
 
 
 def test_create_app_declares_only_the_chosen_jobs():
