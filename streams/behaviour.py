@@ -18,8 +18,9 @@ The figures (`figures`), per task:
   collapse towards 0 warns of a policy that stopped exploring;
 - calls, call_success_rate and `tools` ({tool: {calls, success_rate}}): tool calls of the steps
   and the share that succeeded, by `call_succeeded`'s rule;
-- tool_error_share: the environments' own count of well-formed calls the task rejected
-  (`tool_errors`) / the calls they received (`tool_calls`), from the trajectories' metrics;
+- tool_error_share: the environments' own count of calls that failed, those they refused (an
+  unknown tool, arguments that do not fit: `refused_calls`) and well-formed ones the task rejected
+  (`tool_errors`), / the calls they received (`tool_calls`), from the trajectories' metrics;
 - repeated_call_share: calls repeating an earlier call of their trajectory / calls, and
   dangerous_calls, dangerous_by_pattern: calls whose arguments hold a dangerous command
   (schemas/behaviour.py), from the trajectories' metrics.
@@ -119,7 +120,8 @@ def count_trajectory(counters: Mapping[str, Any], trajectory: Mapping[str, Any])
     counts: dict[str, float] = {
         TRAJECTORY_CALLS: metrics.get("parsed_calls", 0.0), REPEATED_CALLS: metrics.get("repeated_calls", 0.0),
         DANGEROUS_CALLS: metrics.get("dangerous_calls", 0.0), ENV_TOOL_CALLS: metrics.get("tool_calls", 0.0),
-        ENV_TOOL_ERRORS: metrics.get("tool_errors", 0.0),
+        # A call the environment refused (unknown tool, bad arguments) failed as surely as one the task rejected.
+        ENV_TOOL_ERRORS: metrics.get("tool_errors", 0.0) + metrics.get("refused_calls", 0.0),
     }
     for pattern in PATTERN_NAMES:  # only the declared names: the map may hold anything an environment wrote
         n = metrics.get(f"dangerous_calls:{pattern}", 0.0)

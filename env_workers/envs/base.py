@@ -13,7 +13,8 @@ feedback on a message without tool calls comes back as a role "user" message.
 Who is to blame decides the outcome (AgentRL masks infrastructure failures out of training):
 - a malformed call (unknown tool, arguments that are not a JSON object, a missing or mistyped
   argument, no tool call at all) is the policy's mistake: an error message it sees, counted in
-  `metrics["malformed_calls"]`, and the session goes on;
+  `metrics["malformed_calls"]` (and, when it was a call, in `metrics["refused_calls"]`), and the
+  session goes on;
 - a well-formed call the task rejects (a variable that does not exist, SQL that fails) raises
   `ActionError` inside the family: an error message, counted in `metrics["tool_errors"]`;
 - any other exception inside the environment is an infrastructure failure: the session ends with
@@ -393,7 +394,8 @@ class Environment(ABC):
             await self.end(session)
             raise TaskError(f"{self.family}: cannot start task {sample.get('id')!r}: {error!r}") from error
         session.messages, session.tools, session.state = opened.messages, opened.tools, opened.state
-        session.metrics = {"rounds": 0.0, "tool_calls": 0.0, "malformed_calls": 0.0, "tool_errors": 0.0,
+        session.metrics = {"rounds": 0.0, "tool_calls": 0.0, "malformed_calls": 0.0, "refused_calls": 0.0,
+                           "tool_errors": 0.0,
                            **opened.metrics}
         return session
 
@@ -458,6 +460,7 @@ class Environment(ABC):
             call = parse_call(raw, session.tools)
             if isinstance(call, str):
                 session.metrics["malformed_calls"] += 1
+                session.metrics["refused_calls"] += 1
                 messages.append(_tool_message(raw, call))
                 continue
             try:

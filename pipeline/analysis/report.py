@@ -480,7 +480,7 @@ def _behaviour_section(figures: Mapping[str, Mapping[str, Any]]) -> list[str]:
              "into tool calls; truncated: steps stopped at the token limit; NLL/token: mean negative log-prob "
              "of the sampled tokens (a per-token entropy estimate); call success: calls whose step did not end "
              "the session as invalid action, invalid output or task error; tool errors: calls the environment "
-             "rejected, by its own count; repeated: calls identical to an earlier call of their trajectory; "
+             "refused or rejected, by its own count; repeated: calls identical to an earlier call of their trajectory; "
              "dangerous: calls holding a dangerous command (patterns in schemas/behaviour.py).", ""]
     if not figures:
         return lines + ["_No steps or trajectories yet._", ""]

@@ -213,6 +213,9 @@ def test_a_trajectory_adds_its_call_metrics_and_only_declared_patterns():
     c = behaviour.count_trajectory(c, {"metrics": {}})  # e.g. an environment that never started
     f = behaviour.figures(c)
     assert (f["repeated_call_share"], f["dangerous_calls"], f["tool_error_share"]) == (0.5, 4, 0.25)
+    # a call of an unknown tool is refused before the task sees it: it failed too
+    refused = behaviour.count_trajectory(c, {"metrics": {"tool_calls": 2.0, "refused_calls": 1.0}})
+    assert behaviour.figures(refused)["tool_error_share"] == 3 / 10
     assert f["dangerous_by_pattern"] == {"network": 4}
 
 
