@@ -16,6 +16,7 @@ from rich.table import Table
 
 from pipeline.analysis.evaluation import is_success
 from schemas import topics
+from streams import behaviour
 
 RATE_WINDOW_MS = 60_000  # trajectories/s and tokens/s are averaged over the last minute
 RECENT = 64  # per-task success and reward over each task's last RECENT training trajectories
@@ -48,6 +49,9 @@ class RunView:
     validation_done: dict[int, list[dict[str, Any]]] = field(default_factory=lambda: defaultdict(list))
     engines: dict[str, dict[str, Any]] = field(default_factory=dict)
     statuses: Counter = field(default_factory=Counter)
+    behaviour: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per task, streams/behaviour.py's counters over every step and trajectory seen (validation too, as the
+    metrics agent counts them: how the policy acts does not depend on what the rollout is for)."""
 
     def apply(self, topic: str, event: Mapping[str, Any], now_ms: int) -> None:
         if topic == topics.ENGINES:
@@ -65,6 +69,9 @@ class RunView:
         elif topic == topics.TRAJECTORIES:
             self._trajectory(event, now_ms)
         elif topic == topics.STEPS:
+            held = self.behaviour.get(event["task"], {})
+            counted = {**held, behaviour.STEPS: held.get(behaviour.STEPS, 0) + 1}  # count_step leaves `steps` to us
+            self.behaviour[event["task"]] = behaviour.count_step(counted, event)
             self.steps += 1
             self.stale_steps += event["pool"] == "stale"
             self.staleness[max(0, self.learner_version - event["weight_version"])] += 1
@@ -79,6 +86,7 @@ class RunView:
             return  # an at-least-once duplicate
         self.trajectory_ids.add(t["trajectory_id"])
         self.finished.add(f"{t['group_id']}/{t['member']}")
+        self.behaviour[t["task"]] = behaviour.count_trajectory(self.behaviour.get(t["task"], {}), t)
         if t["validation"]:
             round_ = self.validation_round_of_group.get(t["group_id"])
             if round_ is not None:
@@ -116,6 +124,7 @@ class RunView:
             "stale_turn_share": self.stale_steps / self.steps if self.steps else None,
             "validation": {r: {"requested": n, "done": len(self.validation_done.get(r, []))}
                            for r, n in sorted(self.validation_requested.items())},
+            "behaviour": {task: behaviour.figures(c) for task, c in sorted(self.behaviour.items())},
             "engines": {e: {"pool": h["pool"], "version": h["loaded_version"], "queue": h["queue_depth"],
                             "healthy": h["healthy"], "busy": h.get("busy", "")} for e, h in sorted(self.engines.items())},
         }
@@ -141,6 +150,17 @@ def render(snap: Mapping[str, Any], title: str) -> Group:
     for task, f in snap["tasks"].items():
         per_task.add_row(task, str(f["trajectories"]), _fmt(f["success_rate"], "{:.0%}"), _fmt(f["mean_reward"]))
     parts: list[Any] = [head, per_task]
+    if snap["behaviour"]:
+        acted = Table(title="behaviour, all rollouts (streams/behaviour.py)")
+        for col in ("task", "steps", "invalid output", "truncated", "NLL/token", "tool errors", "repeated calls",
+                    "dangerous calls"):
+            acted.add_column(col, justify="right")
+        for task, b in snap["behaviour"].items():
+            acted.add_row(task, str(b["steps"]), _fmt(b["invalid_output_share"], "{:.0%}"),
+                          _fmt(b["truncation_share"], "{:.0%}"), _fmt(b["mean_token_nll"], "{:.3f}"),
+                          _fmt(b["tool_error_share"], "{:.0%}"), _fmt(b["repeated_call_share"], "{:.0%}"),
+                          str(b["dangerous_calls"]))
+        parts.append(acted)
     if snap["validation"]:
         val = Table(title="validation rounds")
         for col in ("round", "done / requested"):

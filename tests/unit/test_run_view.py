@@ -59,6 +59,19 @@ def test_staleness_and_stale_share_come_from_steps():
     assert (snap["learner_version"], snap["mean_staleness"], snap["stale_turn_share"]) == (4, 1.0, 0.5)
 
 
+def test_behaviour_folds_every_rollouts_steps_and_trajectories_per_task():
+    view = RunView("r")
+    step = {**samples.example("step"), "run": "r", "task": "os", "parse_error": "no tool call", "tool_calls": []}
+    view.apply(topics.STEPS, step, 0)
+    view.apply(topics.STEPS, {**step, "parse_error": None}, 0)
+    looping = {**_trajectory("v", 0, task="os", validation=True),
+               "metrics": {"parsed_calls": 4.0, "repeated_calls": 3.0, "dangerous_calls": 1.0}}
+    view.apply(topics.TRAJECTORIES, looping, 0)
+    view.apply(topics.TRAJECTORIES, looping, 0)  # an at-least-once duplicate
+    b = view.snapshot(0)["behaviour"]["os"]
+    assert (b["steps"], b["invalid_output_share"], b["repeated_call_share"], b["dangerous_calls"]) == (2, 0.5, 0.75, 1)
+
+
 def test_engines_of_other_runs_are_not_shown_and_render_draws_every_table():
     view = RunView("r")
     view.apply(topics.ENGINES, {**samples.example("engine_heartbeat"), "engine_id": "r.current-0"}, 0)
@@ -68,4 +81,4 @@ def test_engines_of_other_runs_are_not_shown_and_render_draws_every_table():
     console = Console(record=True, width=160)
     console.print(render(view.snapshot(0), "run r"))
     text = console.export_text()
-    assert "r.current-0" in text and "calc" in text and "learner step" in text
+    assert "r.current-0" in text and "calc" in text and "learner step" in text and "behaviour" in text
