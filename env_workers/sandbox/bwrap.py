@@ -87,6 +87,8 @@ def open_files_limit(wanted: int) -> int:
 
 
 def _children_map() -> dict[int, list[int]]:
+    """Every process's children, by a scan of all of /proc: the fallback where the kernel has no
+    /proc/PID/task/TID/children files (CONFIG_PROC_CHILDREN)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -100,11 +102,45 @@ def _children_map() -> dict[int, list[int]]:
     return children
 
 
+def _has_children_files() -> bool:
+    return os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/children")
+
+
+HAS_CHILDREN_FILES = _has_children_files()
+
+
+def children_of(pid: int) -> list[int]:
+    """The children of `pid` (of all its threads), read from its own /proc files: a cost of its
+    threads, not of every process on the host. [] when it is gone."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as listed:
+                found += [int(child) for child in listed.read().split()]
+        except OSError:  # the thread ended meanwhile
+            continue
+    return found
+
+
 def descendants(pid: int) -> list[int]:
-    """Every process below `pid` on the host, parents before children."""
-    children, found, queue = _children_map(), [], [pid]
+    """Every process below `pid` on the host, parents before children.
+
+    Walks down from `pid` through the kernel's children files where it has them. The whole-/proc
+    scan it replaces cost O(all processes) per call, and sandbox starts poll this every 5 ms: with
+    1,359 sandboxes open (4,000 processes) a start took 8.7 s at the median (bench envs, 64 in
+    flight). Like the scan, it is a snapshot: a process forked meanwhile can be missed."""
+    if not HAS_CHILDREN_FILES:
+        children = _children_map()
+        lookup = lambda parent: children.get(parent, [])  # noqa: E731
+    else:
+        lookup = children_of
+    found, queue = [], [pid]
     while queue:
-        for child in children.get(queue.pop(0), []):
+        for child in lookup(queue.pop(0)):
             found.append(child)
             queue.append(child)
     return found
