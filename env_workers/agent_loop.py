@@ -69,7 +69,7 @@ from env_workers.latency import step_delay_s
 from env_workers.settings import AgentLoopSettings
 from env_workers.tool_parser import ParsedMessage, parse_error_message, parse_tool_calls
 from schemas.arrays import pack_ids, pack_logprobs, pack_mask
-from schemas.behaviour import call_signature, dangerous_call
+from schemas.behaviour import call_facts
 from schemas.ids import trajectory_id
 
 log = logging.getLogger(__name__)
@@ -321,12 +321,11 @@ class _Loop:
         per pattern (`dangerous_calls:<pattern>`, only once one is seen: most trajectories have none).
         Only counted: the environment still runs every call, and its sandbox is what contains them."""
         for call in calls:
-            signature = call_signature(call["name"], call["arguments_json"])
+            signature, pattern = call_facts(call["name"], call["arguments_json"])
             self.loop_metrics["parsed_calls"] += 1
             if signature in self.call_signatures:
                 self.loop_metrics["repeated_calls"] += 1
             self.call_signatures.add(signature)
-            pattern = dangerous_call(call["arguments_json"])
             if pattern is not None:
                 self.loop_metrics["dangerous_calls"] += 1
                 key = f"dangerous_calls:{pattern}"

@@ -208,11 +208,11 @@ def _strings(value: Any) -> list[str]:
     return []
 
 
-def argument_text(arguments_json: str) -> str:
+def argument_text(arguments_json: str, parsed: Any = None) -> str:
     """The text a call's arguments hold: every string value, one per line, when they are JSON
     (decoded, so a script's newlines and quotes are real again: `\\n` in the JSON text would
-    hide a line start), else the raw text."""
-    parsed = _arguments(arguments_json)
+    hide a line start), else the raw text. `parsed`: the arguments already decoded, if they were."""
+    parsed = _arguments(arguments_json) if parsed is None else parsed
     if parsed is None:
         return arguments_json
     try:
@@ -227,14 +227,21 @@ def dangerous_call(arguments_json: str) -> str | None:
     return dangerous_command(argument_text(arguments_json))
 
 
-def call_signature(name: str, arguments_json: str) -> str:
+def call_signature(name: str, arguments_json: str, parsed: Any = None) -> str:
     """One tool call in a canonical form: the name and the arguments re-serialized with sorted keys
     and no spaces when they are JSON, else their raw text stripped. The same call written with
     another key order or spacing has the same signature; values are compared as written (1 and 1.0,
-    or "ls -l" and "ls  -l", differ)."""
-    parsed = _arguments(arguments_json)
+    or "ls -l" and "ls  -l", differ). `parsed`: the arguments already decoded, if they were."""
+    parsed = _arguments(arguments_json) if parsed is None else parsed
     if parsed is None:
         canonical = arguments_json.strip()
     else:
         canonical = json.dumps(parsed, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return f"{name.strip()}({canonical})"
+
+
+def call_facts(name: str, arguments_json: str) -> tuple[str, str | None]:
+    """(call_signature, dangerous_call) of one call, its arguments decoded once: the agent loop asks
+    both of every call it makes."""
+    parsed = _arguments(arguments_json)
+    return call_signature(name, arguments_json, parsed), dangerous_command(argument_text(arguments_json, parsed))

@@ -192,7 +192,7 @@ def expired_tombstones(states: Mapping[str, Mapping[str, Any]], now_ms: int, set
 
 # -- counters -------------------------------------------------------------------------------
 
-def tally(counters: Mapping[str, int], counts: Mapping[str, int]) -> dict[str, int]:
+def tally(counters: Mapping[str, float], counts: Mapping[str, float]) -> dict[str, float]:
     """Adds a result's counts to running counters (a plain dict, so it can live in a table)."""
     out = dict(counters)
     for name, n in counts.items():

@@ -37,6 +37,7 @@ import numpy as np
 from schemas.arrays import unpack_ids, unpack_logprobs
 from schemas.behaviour import PATTERN_NAMES
 from schemas.status import Status
+from streams import aggregation
 
 FAILED_CALL_STATUSES = frozenset({Status.AGENT_INVALID_ACTION, Status.AGENT_VALIDATION_FAILED, Status.TASK_ERROR})
 """A step's calls failed when its env_status is one of these. Why only these: a step carries one
@@ -84,19 +85,13 @@ def tool_label(name: str, known: Iterable[str]) -> str:
     return name if name in known or len(known) < MAX_TOOLS_PER_ROW else OTHER_TOOL
 
 
-def _add(counters: Mapping[str, float], counts: Mapping[str, float]) -> dict[str, float]:
-    out = dict(counters)
-    for name, n in counts.items():
-        out[name] = out.get(name, 0) + n
-    return out
-
-
 def count_step(counters: Mapping[str, Any], step: Mapping[str, Any]) -> dict[str, Any]:
-    """The counters with one step's behaviour added (not the step itself: `steps` is the caller's)."""
+    """The counters with one step and its behaviour added (`steps` too: the metrics agent's row shares the key)."""
     logprobs = unpack_logprobs(step["output_logprobs"])
     # A non-finite log-prob (an engine's -inf) would make the sum useless for the rest of the run.
     finite = logprobs[np.isfinite(logprobs)]
     counts: dict[str, float] = {
+        STEPS: 1,
         INVALID_OUTPUTS: int(step["parse_error"] is not None),
         TRUNCATED_STEPS: int(step["finish_reason"] == "length"),
         RESPONSE_TOKENS: len(unpack_ids(step["output_ids"])),
@@ -110,7 +105,7 @@ def count_step(counters: Mapping[str, Any], step: Mapping[str, Any]) -> dict[str
         known.append(tool)
         counts[TOOL_CALLS + tool] = counts.get(TOOL_CALLS + tool, 0) + 1
         counts[TOOL_OK + tool] = counts.get(TOOL_OK + tool, 0) + ok
-    return _add(counters, counts)
+    return aggregation.tally(counters, counts)
 
 
 def count_trajectory(counters: Mapping[str, Any], trajectory: Mapping[str, Any]) -> dict[str, Any]:
@@ -127,7 +122,7 @@ def count_trajectory(counters: Mapping[str, Any], trajectory: Mapping[str, Any])
         n = metrics.get(f"dangerous_calls:{pattern}", 0.0)
         if n:
             counts[DANGEROUS + pattern] = n
-    return _add(counters, counts)
+    return aggregation.tally(counters, counts)
 
 
 def per_task(steps: Iterable[Mapping[str, Any]],
@@ -135,7 +130,7 @@ def per_task(steps: Iterable[Mapping[str, Any]],
     """{task: counters} of a set of events (a finished run's, for the report), `steps` included."""
     out: dict[str, dict[str, Any]] = {}
     for s in steps:
-        out[s["task"]] = count_step(_add(out.get(s["task"], {}), {STEPS: 1}), s)
+        out[s["task"]] = count_step(out.get(s["task"], {}), s)
     for t in trajectories:
         out[t["task"]] = count_trajectory(out.get(t["task"], {}), t)
     return dict(sorted(out.items()))

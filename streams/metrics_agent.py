@@ -46,9 +46,9 @@ def count_event(row: Mapping[str, Any] | None, kind: str, event: Mapping[str, An
     """The task's counters with one step or trajectory added."""
     row = dict(row or {})
     if kind == STEP:
-        counted = aggregation.tally(row, {"steps": 1, "stale_steps": int(event["pool"] == routing.STALE),
+        counted = aggregation.tally(row, {"stale_steps": int(event["pool"] == routing.STALE),
                                           "planned_stale_steps": int(event["planned_pool"] == routing.STALE)})
-        return behaviour.count_step(counted, event)
+        return behaviour.count_step(counted, event)  # `steps` with the rest of the step's behaviour
     score = event["score"] if event["score"] is not None else event["env_reward"]
     out = aggregation.tally(row, {"trajectories": 1, "successes": int(score >= 1.0),
                                   f"status:{event['status']}": 1, "turns": len(event["turns"]),

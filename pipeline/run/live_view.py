@@ -69,9 +69,7 @@ class RunView:
         elif topic == topics.TRAJECTORIES:
             self._trajectory(event, now_ms)
         elif topic == topics.STEPS:
-            held = self.behaviour.get(event["task"], {})
-            counted = {**held, behaviour.STEPS: held.get(behaviour.STEPS, 0) + 1}  # count_step leaves `steps` to us
-            self.behaviour[event["task"]] = behaviour.count_step(counted, event)
+            self.behaviour[event["task"]] = behaviour.count_step(self.behaviour.get(event["task"], {}), event)
             self.steps += 1
             self.stale_steps += event["pool"] == "stale"
             self.staleness[max(0, self.learner_version - event["weight_version"])] += 1
