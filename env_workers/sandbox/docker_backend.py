@@ -106,7 +106,8 @@ class _ExecShell(ShellChannel):
         self.sock.close()
 
 
-def _owner() -> str:
+def owner() -> str:
+    """This process, as the containers it starts name their owner (OWNER_LABEL): host:pid."""
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
@@ -246,7 +247,7 @@ class DockerBackend(SandboxBackend):
         s = self.settings
         name = await self.image()
         options: dict[str, Any] = dict(
-            name=f"rollstream-os-{uuid.uuid4().hex[:12]}", labels={LABEL: "1", OWNER_LABEL: _owner()},
+            name=f"rollstream-os-{uuid.uuid4().hex[:12]}", labels={LABEL: "1", OWNER_LABEL: owner()},
             network_mode="none", mem_limit=s.memory_bytes, memswap_limit=s.memory_bytes, pids_limit=s.max_processes,
             nano_cpus=int(s.cpus * 1e9), working_dir="/", init=True,
             ulimits=[docker.types.Ulimit(name="fsize", soft=s.file_bytes, hard=s.file_bytes)],

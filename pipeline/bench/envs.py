@@ -117,10 +117,10 @@ def sandbox_leftovers(env: Environment) -> dict[str, frozenset[str]]:
     if not isinstance(env, OsEnvironment):
         return {}
     if env.backend.name == "docker":
-        from env_workers.sandbox.docker_backend import OWNER_LABEL, _owner
+        from env_workers.sandbox.docker_backend import OWNER_LABEL, owner
 
         listed = env.backend.client.containers.list(  # type: ignore[attr-defined]
-            all=True, filters={"label": f"{OWNER_LABEL}={_owner()}"})
+            all=True, filters={"label": f"{OWNER_LABEL}={owner()}"})
         return {"containers": frozenset(container.id for container in listed)}
     settings, pid = env.sandbox_settings, os.getpid()
     with open("/proc/self/mountinfo") as mountinfo:
