@@ -5,9 +5,11 @@ backend from the device. Sender and receiver both hold the bucket layout, comput
 `schemas.weight_layout.plan_buckets` from the same tensor specs (the version's manifest), so only
 raw bytes cross the wire: one collective call per bucket, no per-tensor metadata exchange.
 
-Costs: the sender copies each tensor once into a bucket buffer on `device` (one bucket alive at
-a time, so the extra memory is one bucket); the receiver gets views into a fresh buffer per
-bucket, without a copy, and can load them before the next bucket arrives.
+Costs: the sender copies each tensor once into a bucket buffer on `device`, and packs the next
+bucket while the previous one is on the wire (two buckets alive at a time, so the extra memory is
+two buckets); the receiver posts the next bucket's receive before it hands out the tensors of the
+current one, which are views into a fresh buffer per bucket, without a copy, so it can load them
+while the next bucket arrives.
 """
 
 from __future__ import annotations
@@ -54,16 +56,21 @@ def send_buckets(
     """
     _check_matches_layout(tensors, buckets)
     sent = 0
+    in_flight: dist.Work | None = None
     with torch.no_grad():
         for bucket in buckets:
             if bucket.nbytes == 0:
                 continue  # only empty tensors: the receiver knows them from the layout alone
             buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)  # (nbytes,)
-            for slot in bucket.slots:
+            for slot in bucket.slots:  # packed while the previous bucket is on the wire
                 raw = tensors[slot.spec.name].detach().reshape(-1).view(torch.uint8)  # (numel * itemsize,)
                 buffer[slot.offset : slot.offset + slot.spec.nbytes].copy_(raw)
-            dist.broadcast(buffer, src=src, group=group)
+            if in_flight is not None:
+                in_flight.wait()
+            in_flight = dist.broadcast(buffer, src=src, group=group, async_op=True)
             sent += bucket.nbytes
+        if in_flight is not None:
+            in_flight.wait()
     return sent
 
 
@@ -79,10 +86,18 @@ def receive_buckets(
     The tensors are views into their bucket's buffer (a new buffer per bucket): valid for as long
     as the caller keeps them, with no copy made here.
     """
-    for bucket in buckets:
+
+    def post(bucket: Bucket) -> tuple[torch.Tensor, dist.Work | None]:
         buffer = torch.empty(bucket.nbytes, dtype=torch.uint8, device=device)  # (nbytes,)
-        if bucket.nbytes:
-            dist.broadcast(buffer, src=src, group=group)
+        return buffer, dist.broadcast(buffer, src=src, group=group, async_op=True) if bucket.nbytes else None
+
+    ahead = post(buckets[0]) if buckets else None
+    for i, bucket in enumerate(buckets):
+        buffer, arriving = ahead
+        if arriving is not None:
+            arriving.wait()
+        # The next bucket travels while the caller loads this one's tensors.
+        ahead = post(buckets[i + 1]) if i + 1 < len(buckets) else None
         for slot in bucket.slots:
             raw = buffer[slot.offset : slot.offset + slot.spec.nbytes]  # (nbytes,), offset aligned
             # uint8 -> dtype view needs an offset aligned to the item size: BUCKET_ALIGNMENT ensures it.
