@@ -19,7 +19,6 @@ process's death must be ridden through. Findings fail the run like losses.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,19 +142,30 @@ class FaultSchedule:
         return self.start_version + 2 * len(self.pending) * self.recover_versions + 1
 
 
-def redone(records_by_topic: Mapping[str, Sequence[Any]], faults: Sequence[FaultRecord]) -> list[dict[str, int]]:
-    """Per fault, the ids published again inside its window (from its injection to the next one's),
-    per topic. `records_by_topic` holds ReplayRecord-like objects (timestamp_ms, value)."""
-    repeats: dict[str, list[int]] = defaultdict(list)  # topic -> timestamps of repeated ids
+def repeated_ids(records_by_topic: Mapping[str, Sequence[Any]]) -> dict[str, list[int]]:
+    """Per topic, the times (ms) at which an id already published was published again: the work a
+    fault made the run redo (topics without a repeat left out). `records_by_topic` holds
+    ReplayRecord-like objects (timestamp_ms, value)."""
+    repeats: dict[str, list[int]] = {}
     for topic, key in DUPLICATE_KEYS.items():
         seen: set[Any] = set()
+        stamps: list[int] = []
         for r in sorted(records_by_topic.get(topic, ()), key=lambda r: r.timestamp_ms):
             if topic == topics.WEIGHTS and r.value.get("batch_id") is None:
                 continue  # the initial version and stale-pool announcements are not training work
             ident = r.value[key]
             if ident in seen:
-                repeats[topic].append(r.timestamp_ms)
+                stamps.append(r.timestamp_ms)
             seen.add(ident)
+        if stamps:
+            repeats[topic] = stamps
+    return repeats
+
+
+def redone(records_by_topic: Mapping[str, Sequence[Any]], faults: Sequence[FaultRecord]) -> list[dict[str, int]]:
+    """Per fault, the ids published again inside its window (from its injection to the next one's),
+    per topic."""
+    repeats = repeated_ids(records_by_topic)
     out = []
     for i, fault in enumerate(faults):
         end = faults[i + 1].injected_at_ms if i + 1 < len(faults) else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pipeline.bench import bus as bench_bus
 from pipeline.bench import envs as bench_envs
+from pipeline.bench import chaos as bench_chaos
 from pipeline.bench import faults as bench_faults
 from pipeline.bench import learner as bench_learner
 from pipeline.bench import peer as bench_peer
@@ -63,6 +64,7 @@ app.command("dispatch")(dispatch_cmd.dispatch)
 bench_app.command("streams")(bench_streams.bench_streams)
 bench_app.command("rollout")(bench_rollout.bench_rollout)
 bench_app.command("faults")(bench_faults.bench_faults)
+bench_app.command("chaos")(bench_chaos.bench_chaos)
 bench_app.command("scale")(bench_scale.bench_scale)
 bench_app.command("pipeline")(bench_pipeline.bench_pipeline)
 bench_app.command("peer")(bench_peer.bench_peer)
