@@ -37,7 +37,7 @@ NAMESPACE = "rollstream.events"
 # Schema files in dependency order: a named type is declared before any schema refers to it.
 SCHEMA_FILES: tuple[str, ...] = (
     "pool", "status", "task_requested", "task", "step", "trajectory", "group", "batch",
-    "weight_version", "engine_heartbeat", "metric", "dead_letter",
+    "weight_version", "engine_heartbeat", "metric", "alert", "dead_letter",
 )
 # Named types that are not events of their own.
 _SUPPORT_TYPES = frozenset({"pool", "status"})

@@ -88,6 +88,12 @@ def metric() -> dict[str, Any]:
             "source": "learner", "at_ms": T0 + 2200}
 
 
+def alert() -> dict[str, Any]:
+    return {"alert_id": "example/looping/os/1", "run": "example", "rule": "looping", "task": "os",
+            "figure": "repeated_call_share", "value": 0.62, "threshold": 0.5, "direction": "above", "action": "pause",
+            "steps": 240, "trajectories": 31, "source": "rollstream-streams.example", "at_ms": T0 + 2250}
+
+
 def dead_letter() -> dict[str, Any]:
     return {"source_topic": "trajectories", "source_partition": 3, "source_offset": 42, "key": b"g-0001",
             "value": b"\x00not avro", "reason": "not an Avro single-object encoding", "error_type": "UndecodableEvent",
@@ -97,7 +103,7 @@ def dead_letter() -> dict[str, Any]:
 EXAMPLES = {
     "task_requested": task_requested, "task": task, "step": step, "trajectory": trajectory, "group": group,
     "batch": batch, "weight_version": weight_version, "engine_heartbeat": engine_heartbeat, "metric": metric,
-    "dead_letter": dead_letter,
+    "alert": alert, "dead_letter": dead_letter,
 }
 
 

@@ -15,6 +15,7 @@ BATCHES = "batches"
 WEIGHTS = "weights"
 ENGINES = "engines"
 METRICS = "metrics"
+ALERTS = "alerts"
 DLQ = "dlq"
 
 # topic -> event type (the .avsc file name in schemas/avro without the suffix)
@@ -28,6 +29,7 @@ EVENT_OF_TOPIC: dict[str, str] = {
     WEIGHTS: "weight_version",
     ENGINES: "engine_heartbeat",
     METRICS: "metric",
+    ALERTS: "alert",
     DLQ: "dead_letter",
 }
 

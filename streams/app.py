@@ -23,6 +23,7 @@ global decision reads its own single-partition topic:
     groups --intake(key run)--> <app>-batcher-in (1 partition) --batcher--> batches
     weights ----------------------------^
     steps, trajectories --metrics--> table --timer--> metrics (and JSON at /rollstream/metrics/)
+                                       `--alert rules--> alerts (streams/alerts.py)
 
 Every agent decodes each event with our codec (undecodable -> `dlq` with the reason and the
 event's own topic, partition and offset). Broadcasting control events into every partition lets

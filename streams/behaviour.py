@@ -71,6 +71,11 @@ DANGEROUS = "dangerous:"
 ENV_TOOL_CALLS = "env_tool_calls"
 ENV_TOOL_ERRORS = "env_tool_errors"
 
+FIGURES = ("invalid_output_share", "truncation_share", "response_tokens_per_step", "mean_token_nll",
+           "call_success_rate", "tool_error_share", "repeated_call_share", "dangerous_calls")
+"""The per-task figures of `figures` that are one number each: what the metrics agent publishes as
+`streams/<figure>` and what an alert rule may watch (streams/alerts.py)."""
+
 
 def call_succeeded(env_status: str) -> bool:
     """Whether the calls of a step with this env_status succeeded (FAILED_CALL_STATUSES says why so few fail)."""

@@ -14,28 +14,43 @@ tool, the environments' tool-error share, repeated-call share, dangerous calls p
 run, from the aggregator: group counters (emitted, dropped, masked, timeouts, all-equal, dropped
 share), group latency histograms (first member -> ready, last member -> ready) and the staleness
 histogram.
+
+Alerts: with behaviour alert rules configured (streams.alerts), each counted event's task is checked
+against them (streams/alerts.py) over the task's rows this worker holds, and a rule that fires is
+published to `alerts` (key run) at once, not at the next timer tick: a `pause` should stop the
+dispatcher before many more tasks go out. The rules' states sit in a second table beside the
+counters, keyed alike.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
 from schemas import topics
 from schemas.codec import codec
-from streams import aggregation, behaviour, routing
+from streams import aggregation, alerts, behaviour, routing
 from streams.app import Wiring
 from streams.events import Out, encode_for
 from streams.serde import tagged_table
+from streams.settings import AlertRule
 
 STEP, TRAJECTORY = "step", "trajectory"
 
 
-BEHAVIOUR_FIGURES = ("invalid_output_share", "truncation_share", "response_tokens_per_step", "mean_token_nll",
-                     "call_success_rate", "tool_error_share", "repeated_call_share", "dangerous_calls")
-"""The per-task behaviour figures published as `streams/<figure>` (label task); per tool
-`streams/tool_calls` and `streams/tool_success_rate` (labels task, tool), per dangerous pattern
-`streams/dangerous_calls_by_pattern` (labels task, pattern)."""
+_SPAN = ("first_ms", "last_ms")
+
+
+@dataclass
+class MetricsTables:
+    """The metrics job's tables (Faust tables in the worker, plain dicts in unit tests), both keyed by row_key."""
+
+    counters: MutableMapping[str, dict[str, Any]]
+    """A task's counters from one partition's events."""
+    rule_states: MutableMapping[str, dict[str, Any]]
+    """{rule: [fired, number]}: the changes of alert rule states on the task recorded while processing that
+    partition (streams/alerts.py `latest` reads the task's state from them)."""
 
 
 def row_key(run: str, task: str, partition: int) -> str:
@@ -58,6 +73,39 @@ def count_event(row: Mapping[str, Any] | None, kind: str, event: Mapping[str, An
     out["first_ms"] = min(row.get("first_ms", finished), finished)
     out["last_ms"] = max(row.get("last_ms", finished), finished)
     return behaviour.count_trajectory(out, event)
+
+
+def merged(held: Mapping[str, Any], row: Mapping[str, Any]) -> dict[str, Any]:
+    """Two rows of one task's counters as one: counts added, the span's ends kept."""
+    out = aggregation.tally({k: v for k, v in held.items() if k not in _SPAN},
+                            {k: v for k, v in row.items() if k not in _SPAN})
+    out["first_ms"] = min(held.get("first_ms", row.get("first_ms", 0)), row.get("first_ms", 0))
+    out["last_ms"] = max(held.get("last_ms", 0), row.get("last_ms", 0))
+    return out
+
+
+def on_event(tables: MetricsTables, kind: str, event: Mapping[str, Any], partition: int, partitions: int,
+             rules: tuple[AlertRule, ...], source: str, now_ms: int) -> list[Out]:
+    """Counts one step or trajectory read from `partition` (of `partitions`); the alerts it sets off."""
+    run, task = event["run"], event["task"]
+    key = row_key(run, task, partition)
+    tables.counters[key] = count_event(tables.counters.get(key), kind, event)
+    if not rules:
+        return []
+    # The task as this worker sees it: its rows of every partition it holds (a row per partition).
+    keys = [row_key(run, task, p) for p in range(partitions)]
+    counters: dict[str, Any] = {}
+    for k in keys:
+        counters = merged(counters, tables.counters.get(k) or {})
+    steps, trajectories = counters.get(behaviour.STEPS, 0), counters.get("trajectories", 0)
+    changes = alerts.check(rules, task, behaviour.figures(counters), steps, trajectories,
+                           alerts.latest(tables.rule_states.get(k) for k in keys))
+    if not changes:
+        return []
+    tables.rule_states[key] = {**(tables.rule_states.get(key) or {}),
+                               **{c.rule.name: [c.fired, c.number] for c in changes}}
+    return [(topics.ALERTS, run.encode(), encode_for(topics.ALERTS, alerts.alert_event(
+        run, task, c, steps, trajectories, source, now_ms))) for c in changes if c.fired]
 
 
 def _task_summary(c: Mapping[str, Any]) -> dict[str, Any]:
@@ -85,12 +133,8 @@ def summarize(rows: Iterable[tuple[str, Mapping[str, Any]]],
     per_task: dict[str, dict[str, dict[str, Any]]] = {}
     for key, row in rows:
         run, task, _ = key.split("|")
-        held = per_task.setdefault(run, {}).get(task, {})
-        merged = aggregation.tally({k: v for k, v in held.items() if k not in ("first_ms", "last_ms")},
-                                   {k: v for k, v in row.items() if k not in ("first_ms", "last_ms")})
-        merged["first_ms"] = min(held.get("first_ms", row.get("first_ms", 0)), row.get("first_ms", 0))
-        merged["last_ms"] = max(held.get("last_ms", 0), row.get("last_ms", 0))
-        per_task[run][task] = merged
+        tasks = per_task.setdefault(run, {})
+        tasks[task] = merged(tasks.get(task, {}), row)
     groups: dict[str, dict[str, dict[str, int]]] = {}
     for stats in group_stats:
         for run, s in stats.items():
@@ -122,7 +166,7 @@ def metric_events(summary: Mapping[str, Any], worker: str, now_ms: int) -> list[
             for status, share in t["status_shares"].items():
                 add(run, "status_share", share, task=task, status=status)
             b = t["behaviour"]
-            for figure in BEHAVIOUR_FIGURES:
+            for figure in behaviour.FIGURES:  # streams/<figure>; per tool and per pattern below
                 add(run, figure, b[figure], task=task)
             for tool, row in b["tools"].items():
                 add(run, "tool_calls", row["calls"], task=task, tool=tool)
@@ -142,8 +186,12 @@ def metric_events(summary: Mapping[str, Any], worker: str, now_ms: int) -> list[
 
 
 def register(w: Wiring) -> None:
-    """Declares the metrics agent, its table, the publishing timer and the JSON view."""
+    """Declares the metrics agent, its tables, the publishing timer and the JSON view."""
     table = tagged_table(w.app, "metrics-tasks", w.worker.partitions, w.topic_config)
+    rules = w.settings.alerts
+    # Without rules no state is kept, and no changelog topic is made for it.
+    states = tagged_table(w.app, "metrics-alerts", w.worker.partitions, w.topic_config) if rules else {}
+    tables = MetricsTables(table, states)
     source = w.app.topic(topics.STEPS, topics.TRAJECTORIES, key_type=bytes, value_type=bytes,
                          key_serializer="raw", value_serializer="raw")
 
@@ -160,8 +208,8 @@ def register(w: Wiring) -> None:
                 value = codec().decode(event.value, kind)
                 if not w.serves(value):
                     return
-                key = row_key(value["run"], value["task"], event.message.partition)
-                table[key] = count_event(table.get(key), kind, value)
+                await w.send(on_event(tables, kind, value, event.message.partition, w.worker.partitions, rules,
+                                      w.worker.app_id, w.clock()))
             await w.guarded(event, "metrics", count)
 
     @w.app.timer(w.worker.metrics_interval_s, name="metrics-publish")

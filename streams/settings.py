@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from schemas.prometheus import MetricsHost, MetricsPort
 
@@ -35,6 +35,59 @@ AdvNorm = Literal["group", "erpo"]
 Advantage = Literal["group", "none"]
 TurnStage = tuple[int, int]
 """(from learner version, max turns) of one stage of the turn schedule."""
+AlertAction = Literal["alert", "pause", "stop"]
+
+
+class AlertRule(BaseModel):
+    """One behaviour alert rule (rollstream's; ARCHITECTURE.md "Alerts"): when a task's figure crosses the
+    threshold, the metrics job publishes an `alerts` event, once, until the figure is back on the other side."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    """Names the rule in its events, the live view and the report; unique among streams.alerts."""
+    figure: str
+    """The per-task behaviour figure it watches, one of streams/behaviour.py's FIGURES (invalid_output_share,
+    truncation_share, response_tokens_per_step, mean_token_nll, call_success_rate, tool_error_share,
+    repeated_call_share, dangerous_calls)."""
+    task: str = "*"
+    """The task (family) it watches; "*" watches every task, each on its own."""
+    above: float | None = Field(None, allow_inf_nan=False)
+    """Fires when the figure is above this. Give above or below, not both."""
+    below: float | None = Field(None, allow_inf_nan=False)
+    """Fires when the figure is below this."""
+    min_steps: int = Field(0, ge=0)
+    """Steps of the task counted before the rule may fire: a share of a handful of steps is noise."""
+    min_trajectories: int = Field(0, ge=0)
+    """Trajectories of the task finished before the rule may fire."""
+    action: AlertAction = "alert"
+    """"alert" records it (the alerts topic, the live view, the report); "pause" also makes the run's dispatcher
+    send no new task until `rollstream alerts resume`; "stop" makes `rollstream up` stop the run in order."""
+
+    @field_validator("figure")
+    @classmethod
+    def _figure_is_a_behaviour_figure(cls, figure: str) -> str:
+        # Imported here: streams.behaviour imports this module (through streams.aggregation).
+        from streams.behaviour import FIGURES
+
+        if figure not in FIGURES:
+            raise ValueError(f"unknown figure {figure!r}; figures: {', '.join(FIGURES)}")
+        return figure
+
+    @model_validator(mode="after")
+    def _one_threshold(self) -> AlertRule:
+        if (self.above is None) == (self.below is None):
+            which = "both above and below" if self.above is not None else "neither above nor below"
+            raise ValueError(f"alert rule {self.name!r} has {which}: give one threshold")
+        return self
+
+    @property
+    def threshold(self) -> float:
+        return self.above if self.above is not None else self.below  # type: ignore[return-value]
+
+    @property
+    def direction(self) -> Literal["above", "below"]:
+        return "above" if self.above is not None else "below"
 
 
 class StreamsSettings(BaseModel):
@@ -113,6 +166,10 @@ class StreamsSettings(BaseModel):
     stages, e.g. ((0, 8), (100, 12), (200, 15)): from learner version 0 at most 8 turns, from 100 at most 12,
     from 200 at most 15. The first stage starts at version 0, later ones at increasing versions; no budget
     exceeds max_turns. Empty (default): every training task has max_turns. Validation tasks always have max_turns."""
+    alerts: tuple[AlertRule, ...] = ()
+    """rollstream: behaviour alert rules the metrics job evaluates per task (ARCHITECTURE.md "Alerts"), e.g.
+    {name: no-tool-calls, figure: invalid_output_share, above: 0.5, min_steps: 200, action: pause}. Empty
+    (default): none; the figures are only published."""
 
     @model_validator(mode="after")
     def _stale_pool_groups_must_survive_staleness_check(self) -> StreamsSettings:
@@ -160,6 +217,15 @@ class StreamsSettings(BaseModel):
             raise ValueError("turn_schedule's versions must increase from stage to stage")
         if any(not 1 <= turns <= self.max_turns for _, turns in stages):
             raise ValueError(f"turn_schedule's turn budgets must lie in 1..max_turns ({self.max_turns})")
+        return self
+
+    @model_validator(mode="after")
+    def _alert_rule_names_are_unique(self) -> StreamsSettings:
+        # A rule's name keys its state per task and names its events: two rules of one name would share them.
+        names = [rule.name for rule in self.alerts]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"alert rule names must be unique: {', '.join(repeated)} given more than once")
         return self
 
     @property

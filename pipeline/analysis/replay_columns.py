@@ -333,6 +333,7 @@ COLUMNS: dict[str, tuple[Column, ...]] = {
     topics.WEIGHTS: tuple(_weights_columns()),
     topics.ENGINES: tuple(_every_field("engine_heartbeat")),
     topics.METRICS: tuple(_metric_columns()),
+    topics.ALERTS: tuple(_every_field("alert")),
     topics.DLQ: tuple(_dead_letter_columns()),
 }
 

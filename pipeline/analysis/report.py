@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pipeline.analysis import evaluation
 from schemas import codec, topics
 from streams import behaviour
+from streams.alerts import RunHold
 
 Event = Mapping[str, Any]
 Events = Mapping[str, Sequence[Event]]
@@ -37,13 +38,14 @@ CLIP_METRICS = ("actor/pg_clipfrac",)
 _TIME_FIELDS = {
     topics.TRAJECTORIES: ("started_at_ms", "finished_at_ms"), topics.STEPS: ("started_at_ms",),
     topics.GROUPS: ("ready_at_ms",), topics.BATCHES: ("created_at_ms",), topics.WEIGHTS: ("published_at_ms",),
-    topics.METRICS: ("at_ms",), topics.TASKS_REQUESTED: ("dispatched_at_ms",),
+    topics.METRICS: ("at_ms",), topics.TASKS_REQUESTED: ("dispatched_at_ms",), topics.ALERTS: ("at_ms",),
 }
 # What makes two events of one topic the same event (delivery is at-least-once).
 _IDENTITY: dict[str, Callable[[Event], Any]] = {
     topics.TRAJECTORIES: lambda e: e["trajectory_id"], topics.STEPS: lambda e: (e["trajectory_id"], e["turn"]),
     topics.GROUPS: lambda e: e["group_id"], topics.BATCHES: lambda e: e["batch_id"],
     topics.WEIGHTS: lambda e: e["version"], topics.TASKS_REQUESTED: lambda e: (e["group_id"], e["member"]),
+    topics.ALERTS: lambda e: e["alert_id"],
 }
 
 
@@ -499,6 +501,34 @@ def _behaviour_section(figures: Mapping[str, Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+_ALERT_FIELDS = ("at_ms", "action", "rule", "task", "figure", "value", "direction", "threshold", "steps",
+                 "trajectories", "source")
+
+
+def alerts_summary(alerts: Sequence[Event]) -> dict[str, Any]:
+    """summary.json's `alerts`: the run's alert events in log order (each once) and what they left the run
+    in: the rule that stopped it, the rule whose pause no resume lifted."""
+    hold = RunHold()
+    events = [{f: a[f] for f in _ALERT_FIELDS} for a in alerts if hold.apply(a)]
+    return {"events": events, "stopped_by": hold.stopped_by, "paused_by": hold.paused_by}
+
+
+def _alerts_section(summary: Mapping[str, Any], t0_ms: int) -> list[str]:
+    lines = ["## Alerts", "", "The behaviour alert rules of `streams.alerts` that fired (each once until its figure "
+             "came back past the threshold), and resumes (ARCHITECTURE.md \"Alerts\").", ""]
+    if summary["stopped_by"]:
+        lines += [f"**The run was stopped by alert `{summary['stopped_by']}`.**", ""]
+    if summary["paused_by"]:
+        lines += [f"**The run ended paused by alert `{summary['paused_by']}`.**", ""]
+    if not summary["events"]:
+        return lines + ["_No alert fired._", ""]
+    return lines + _table(
+        ["minute", "action", "rule", "task", "figure", "value", "threshold", "steps", "trajectories"],
+        [[f"{max(0, a['at_ms'] - t0_ms) / 60_000:.1f}", a["action"], a["rule"] or "—", a["task"], a["figure"] or "—",
+          _opt(a["value"], "{:.3g}"), "—" if a["direction"] is None else f"{a['direction']} {a['threshold']:g}",
+          a["steps"], a["trajectories"]] for a in summary["events"]])
+
+
 def _training_section(train: Sequence[Event], signal: Mapping[str, Mapping[str, int]],
                       figure: str | None) -> list[str]:
     lines = ["## Training success and reward over learner versions", ""]
@@ -604,7 +634,8 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
 
     summary = {"run": run, "duration_s": (span[1] - span[0]) / 1000.0 if span else 0.0,
                "learner_steps": learner_steps(ev.get(topics.WEIGHTS, [])), "tasks": tasks,
-               "trajectories": len(trajs), "figures": written, "learning_signal": signal, "behaviour": acted}
+               "trajectories": len(trajs), "figures": written, "learning_signal": signal, "behaviour": acted,
+               "alerts": alerts_summary(ev.get(topics.ALERTS, []))}
     lines = [f"# Run `{run}`", "",
              f"- Duration: {summary['duration_s']:.0f} s (first to last event of the run)",
              f"- Learner steps: {summary['learner_steps']}",
@@ -613,6 +644,7 @@ def build_report(events: Events, out_dir: Path, run: str, *, config: Mapping[str
     lines += _evaluation_section(tasks, val, rounds, eval_fig)
     lines += _termination_section(train, val)
     lines += _behaviour_section(acted)
+    lines += _alerts_section(summary["alerts"], t0)
     lines += _training_section(train, signal, curve_fig)
     lines += _pipeline_sections(staleness, turn_source, turns, health)
     if config:  # last: long, and read only when a figure above needs explaining

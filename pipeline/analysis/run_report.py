@@ -18,7 +18,7 @@ from schemas import topics
 
 # What the report reads; engines, tasks and dlq add nothing to it.
 REPORT_TOPICS = (topics.TRAJECTORIES, topics.STEPS, topics.GROUPS, topics.BATCHES, topics.WEIGHTS,
-                 topics.METRICS, topics.TASKS_REQUESTED)
+                 topics.METRICS, topics.TASKS_REQUESTED, topics.ALERTS)
 
 
 class NoEvents(ValueError):
@@ -51,6 +51,11 @@ def print_summary(summary: Mapping[str, Any], out_dir: Path, console: Console) -
     for task, row in summary["tasks"].items():
         table.add_row(task, _ci(row["before"]), _ci(row["after"]), _change(row.get("change")), row["verdict"])
     console.print(table)
+    alerts = summary.get("alerts") or {}
+    if alerts.get("events"):
+        ended = "; stopped by " + alerts["stopped_by"] if alerts["stopped_by"] else (
+            "; ended paused by " + alerts["paused_by"] if alerts["paused_by"] else "")
+        console.print(f"alerts: {len(alerts['events'])} (report.md \"Alerts\"){ended}")
 
 
 def write_report(cfg: RollstreamConfig, run: str, out_dir: Path, *, progress: bool = False,

@@ -21,6 +21,7 @@ from pipeline.bench import scale as bench_scale
 from pipeline.bench import streams as bench_streams
 from pipeline.bench import weights as bench_weights
 from pipeline.cli import advantages as advantages_cmd
+from pipeline.cli import alerts as alerts_cmd
 from pipeline.cli import dispatch as dispatch_cmd
 from pipeline.cli import engine as engine_cmd
 from pipeline.cli import env as env_cmd
@@ -75,6 +76,7 @@ app.command("eval")(eval_cmd.eval_checkpoint)
 app.command("report")(report_cmd.report)
 app.command("tensorboard")(tensorboard_cmd.tensorboard)
 app.add_typer(replay_cmd.app, name="replay")
+app.add_typer(alerts_cmd.app, name="alerts")
 
 
 def main() -> None:

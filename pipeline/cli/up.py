@@ -11,7 +11,7 @@ from rich.console import Console
 
 from pipeline.cli.toolkit import CHECK_FAILED, INTERRUPTED, ConfigOption, JsonOption, fail
 from pipeline.run.config import RollstreamConfig, load_config, validation_message
-from pipeline.run.up import RunFailed, default_run_id, run_up, summary_json
+from pipeline.run.up import STOPPED_BY_ALERT, RunFailed, default_run_id, run_up, summary_json
 
 
 def _config(path: Path | None, max_steps: int | None) -> RollstreamConfig:
@@ -33,7 +33,8 @@ def up(
     as_json: JsonOption = False,
 ) -> None:
     """Train one run end to end: policy, engines, Faust worker, env workers, learner, dispatcher;
-    live progress; final validation; the report; then everything stopped (also on Ctrl-C).
+    live progress; final validation; the report; then everything stopped (also on Ctrl-C, exit 130,
+    and on an alert rule with action stop, exit 1).
 
     Example: rollstream up --config configs/cpu.yaml
     """
@@ -61,3 +62,5 @@ def up(
         console.print(f"run {run}: {summary['outcome']} in {summary['duration_s']:.0f} s; folder {summary['run_dir']}")
     if summary["outcome"] == "interrupted":
         raise typer.Exit(code=INTERRUPTED)
+    if summary["outcome"].startswith(STOPPED_BY_ALERT):  # the run did not reach max_steps: scripts must see it
+        raise typer.Exit(code=CHECK_FAILED)

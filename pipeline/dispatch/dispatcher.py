@@ -4,10 +4,14 @@ The planning is pipeline/dispatch/logic.py; this module does the I/O around it:
 - on start it reads tasks.requested back (every partition, up to its end) and keeps the run's
   events, so the cursor and the validation rounds already dispatched are rebuilt from the log
   itself: a restart neither re-dispatches nor skips a sample;
-- while running it follows `batches`, `weights` and `metrics` (from their beginning, the run's
-  events only): a batch's groups count as trained once the learner has published a version newer
-  than the batch's credit_version, and a streams/group_dropped metric releases its group (a
+- while running it follows `batches`, `weights`, `metrics` and `alerts` (from their beginning, the
+  run's events only): a batch's groups count as trained once the learner has published a version
+  newer than the batch's credit_version, and a streams/group_dropped metric releases its group (a
   dropped group never reaches a batch and would otherwise hold credit forever);
+- an alert whose rule's action is pause (or stop) holds it: it sends nothing more, validation rounds
+  included, while the work in flight finishes, until a resume (`rollstream alerts resume`) is read
+  after it (streams/alerts.py RunHold). Reading `alerts` from its beginning, a restarted dispatcher is
+  still paused;
 - every request of a group is acknowledged by the broker (flush) before the next plan, so what
   the log holds is what was dispatched.
 """
@@ -16,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +33,7 @@ from schemas.bus import EventProducer, now_ms
 from schemas.codec import UndecodableEvent, codec
 from schemas.prometheus import serve_metrics
 from schemas.settings import KafkaSettings
+from streams.alerts import RunHold
 
 log = logging.getLogger("rollstream.dispatch")
 
@@ -39,7 +44,9 @@ GROUPS_IN_FLIGHT = Gauge("rollstream_dispatcher_groups_in_flight", "Training gro
                          "nor dropped yet.", registry=None)
 IN_FLIGHT_BOUND = Gauge("rollstream_dispatcher_in_flight_bound", "The most training groups in flight at once.",
                         registry=None)
-PROMETHEUS = (TASKS_SENT, GROUPS_IN_FLIGHT, IN_FLIGHT_BOUND)
+PAUSED = Gauge("rollstream_dispatcher_paused", "1 while an alert (action pause or stop) holds the dispatcher, "
+               "else 0.", registry=None)
+PROMETHEUS = (TASKS_SENT, GROUPS_IN_FLIGHT, IN_FLIGHT_BOUND, PAUSED)
 
 
 @dataclass
@@ -53,12 +60,13 @@ class Dispatched:
 
 @dataclass
 class Progress:
-    """What the learner and the aggregator have reported for the run."""
+    """What the learner, the aggregator and the alerts have reported for the run."""
 
     learner_version: int = 0
     batches: dict[str, tuple[int, list[str]]] = field(default_factory=dict)  # batch_id -> (credit, group ids)
     released: set[str] = field(default_factory=set)
     skipped_batches: set[str] = field(default_factory=set)
+    hold: RunHold = field(default_factory=RunHold)
 
     def trained(self) -> set[str]:
         """Groups of batches the learner has answered with a newer weight version, or consumed
@@ -92,40 +100,57 @@ def _decoded(msg: Any) -> dict[str, Any] | None:
         return None  # dead-lettered by the streams app, which owns these topics' consumption
 
 
-def read_dispatched(kafka: KafkaSettings, run: str, sources: tuple[logic.TaskSource, ...],
-                    timeout_s: float = 60.0) -> Dispatched:
-    """The run's requests already in tasks.requested, read up to the end each partition had."""
-    consumer, ends = _consumer(kafka, [topics.TASKS_REQUESTED], to_end=True)
-    out = Dispatched()
+def _read_to_end(kafka: KafkaSettings, name: str, run: str, timeout_s: float) -> Iterator[dict[str, Any]]:
+    """The run's events on topic `name`, read up to the end each partition had."""
+    consumer, ends = _consumer(kafka, [name], to_end=True)
     deadline = time.monotonic() + timeout_s
     try:
         while ends:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"tasks.requested not read to its end within {timeout_s:g} s")
+                raise TimeoutError(f"{name} not read to its end within {timeout_s:g} s")
             for msg in consumer.consume(1000, 0.5):
                 key = (msg.topic(), msg.partition())
                 if msg.error() is None and key in ends and msg.offset() + 1 >= ends[key]:
                     del ends[key]
                 r = _decoded(msg)
-                if r is None or r["run"] != run or r["group_id"] in out.group_ids:
-                    continue
-                out.group_ids.add(r["group_id"])
-                if r["validation"]:
-                    out.validation_rounds.add(r["epoch"])
-                else:
-                    out.slots.append(logic.Slot(r["task"], r["split"], r["sample_index"], r["epoch"]))
+                if r is not None and r["run"] == run:
+                    yield r
     finally:
         consumer.close()
+
+
+def read_dispatched(kafka: KafkaSettings, run: str, sources: tuple[logic.TaskSource, ...],
+                    timeout_s: float = 60.0) -> Dispatched:
+    """The run's requests already in tasks.requested, read up to the end each partition had."""
+    out = Dispatched()
+    for r in _read_to_end(kafka, topics.TASKS_REQUESTED, run, timeout_s):
+        if r["group_id"] in out.group_ids:
+            continue
+        out.group_ids.add(r["group_id"])
+        if r["validation"]:
+            out.validation_rounds.add(r["epoch"])
+        else:
+            out.slots.append(logic.Slot(r["task"], r["split"], r["sample_index"], r["epoch"]))
     return out
 
 
-class ProgressReader:
-    """Follows batches, weights and metrics for one run."""
+def read_hold(kafka: KafkaSettings, run: str, timeout_s: float = 60.0) -> RunHold:
+    """What the run's alerts so far say (paused, stopped), read to the topic's end before anything is
+    dispatched: a dispatcher restarted while its run is paused must not send a task first."""
+    hold = RunHold()
+    for alert in _read_to_end(kafka, topics.ALERTS, run, timeout_s):
+        hold.apply(alert)
+    return hold
 
-    def __init__(self, kafka: KafkaSettings, run: str) -> None:
+
+class ProgressReader:
+    """Follows batches, weights, metrics and alerts for one run."""
+
+    def __init__(self, kafka: KafkaSettings, run: str, hold: RunHold | None = None) -> None:
         self.run = run
-        self.progress = Progress()
-        self._consumer, _ = _consumer(kafka, [topics.BATCHES, topics.WEIGHTS, topics.METRICS], to_end=False)
+        self.progress = Progress(hold=hold or RunHold())  # alerts read again from the start count once (by id)
+        self._consumer, _ = _consumer(kafka, [topics.BATCHES, topics.WEIGHTS, topics.METRICS, topics.ALERTS],
+                                      to_end=False)
 
     def poll(self, timeout: float) -> Progress:
         for msg in self._consumer.consume(1000, timeout):
@@ -136,6 +161,8 @@ class ProgressReader:
                 self.progress.batches[e["batch_id"]] = (e["credit_version"], list(e["group_ids"]))
             elif msg.topic() == topics.WEIGHTS:
                 self.progress.learner_version = max(self.progress.learner_version, e["version"])
+            elif msg.topic() == topics.ALERTS:
+                self.progress.hold.apply(e)
             elif e["name"] == topics.GROUP_DROPPED_METRIC and "group_id" in e["labels"]:
                 self.progress.released.add(e["labels"]["group_id"])
             elif e["name"] == topics.BATCH_SKIPPED_METRIC and "batch_id" in e["labels"]:
@@ -168,11 +195,21 @@ def run_dispatcher(kafka: KafkaSettings, run: str, settings: logic.DispatcherSet
                "dispatched_groups": 0, "validation_rounds": []}
     log.info("run %s: %d training groups already dispatched, resuming at position %d",
              run, len(train_ids), cursor.position)
-    progress_reader = ProgressReader(kafka, run)
+    progress_reader = ProgressReader(kafka, run, read_hold(kafka, run))
     producer = EventProducer(kafka, client_id=f"dispatch-{run}")
+    held_by: str | None = None
     try:
         while not should_stop():
             progress = progress_reader.poll(poll_s)
+            hold = progress.hold
+            if hold.held_by != held_by:
+                held_by = hold.held_by
+                PAUSED.set(held_by is not None)
+                log.info("run %s: %s", run, "dispatching again" if held_by is None else
+                         f"stopped by alert {held_by}" if hold.stopped_by else
+                         f"paused by alert {held_by} (rollstream alerts resume --run {run} resumes it)")
+            if held_by is not None:
+                continue  # what is in flight finishes; nothing new goes out
             version = progress.learner_version
             round_ = logic.validation_round_due(version, done.validation_rounds, settings)
             if round_ is not None:
@@ -197,4 +234,5 @@ def run_dispatcher(kafka: KafkaSettings, run: str, settings: logic.DispatcherSet
         progress_reader.close()
         producer.flush()
     summary["total_groups"] = len(train_ids)
+    summary["held_by_alert"] = held_by
     return summary

@@ -12,7 +12,8 @@ from schemas import topics
 from schemas.codec import UndecodableEvent, codec
 from schemas.settings import KafkaSettings
 
-FOLLOWED = (topics.TASKS_REQUESTED, topics.TRAJECTORIES, topics.STEPS, topics.WEIGHTS, topics.METRICS, topics.ENGINES)
+FOLLOWED = (topics.TASKS_REQUESTED, topics.TRAJECTORIES, topics.STEPS, topics.WEIGHTS, topics.METRICS, topics.ENGINES,
+            topics.ALERTS)
 
 
 class RunFollower(threading.Thread):

@@ -7,6 +7,7 @@ snapshot into rich tables. Nothing here reads Kafka.
 
 from __future__ import annotations
 
+import time
 from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -17,6 +18,7 @@ from rich.table import Table
 from pipeline.analysis.evaluation import is_success
 from schemas import topics
 from streams import behaviour
+from streams.alerts import RunHold
 
 RATE_WINDOW_MS = 60_000  # trajectories/s and tokens/s are averaged over the last minute
 RECENT = 64  # per-task success and reward over each task's last RECENT training trajectories
@@ -52,6 +54,10 @@ class RunView:
     behaviour: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per task, streams/behaviour.py's counters over every step and trajectory seen (validation too, as the
     metrics agent counts them: how the policy acts does not depend on what the rollout is for)."""
+    alerts: list[dict[str, Any]] = field(default_factory=list)
+    """The run's `alerts` events in log order, each once."""
+    hold: RunHold = field(default_factory=RunHold)
+    """What they say: paused (by which rule), stopped."""
 
     def apply(self, topic: str, event: Mapping[str, Any], now_ms: int) -> None:
         if topic == topics.ENGINES:
@@ -78,6 +84,8 @@ class RunView:
             self.learner_step = max(self.learner_step, event["step"])
         elif topic == topics.METRICS and event["source"].startswith("learner") and event["value"] is not None:
             self.learner_metrics[event["name"]] = event["value"]
+        elif topic == topics.ALERTS and self.hold.apply(event):  # one partition: in log order
+            self.alerts.append(dict(event))
 
     def _trajectory(self, t: Mapping[str, Any], now_ms: int) -> None:
         if t["trajectory_id"] in self.trajectory_ids:
@@ -123,6 +131,8 @@ class RunView:
             "validation": {r: {"requested": n, "done": len(self.validation_done.get(r, []))}
                            for r, n in sorted(self.validation_requested.items())},
             "behaviour": {task: behaviour.figures(c) for task, c in sorted(self.behaviour.items())},
+            "alerts": [dict(a) for a in self.alerts], "paused_by": self.hold.paused_by,
+            "stopped_by": self.hold.stopped_by,
             "engines": {e: {"pool": h["pool"], "version": h["loaded_version"], "queue": h["queue_depth"],
                             "healthy": h["healthy"], "busy": h.get("busy", "")} for e, h in sorted(self.engines.items())},
         }
@@ -130,6 +140,20 @@ class RunView:
 
 def _fmt(value: float | None, pattern: str = "{:.2f}") -> str:
     return "—" if value is None else pattern.format(value)
+
+
+def _alerts_table(snap: Mapping[str, Any]) -> Table:
+    run = snap["alerts"][0]["run"]
+    state = (f"stopped by {snap['stopped_by']}" if snap["stopped_by"] else
+             f"paused by {snap['paused_by']}: rollstream alerts resume --run {run}" if snap["paused_by"] else "")
+    table = Table(title="alerts (streams.alerts rules)", caption=state or None)
+    for col in ("time (UTC)", "action", "rule", "task", "figure", "value", "threshold"):
+        table.add_column(col, justify="right")
+    for a in snap["alerts"]:
+        crossed = "" if a["direction"] is None else f"{a['direction']} {a['threshold']:g}"
+        table.add_row(time.strftime("%H:%M:%S", time.gmtime(a["at_ms"] / 1000)), a["action"], a["rule"] or "—",
+                      a["task"], a["figure"] or "—", _fmt(a["value"], "{:.3g}"), crossed or "—")
+    return table
 
 
 def render(snap: Mapping[str, Any], title: str) -> Group:
@@ -159,6 +183,8 @@ def render(snap: Mapping[str, Any], title: str) -> Group:
                           _fmt(b["tool_error_share"], "{:.0%}"), _fmt(b["repeated_call_share"], "{:.0%}"),
                           str(b["dangerous_calls"]))
         parts.append(acted)
+    if snap["alerts"]:
+        parts.append(_alerts_table(snap))
     if snap["validation"]:
         val = Table(title="validation rounds")
         for col in ("round", "done / requested"):

@@ -9,7 +9,8 @@ run's events from Kafka and shows the live picture (pipeline/run/live_view.py) o
 ends when the learner has taken `max_steps` steps and the validation round it triggers has come
 back (the "after" of the report); then everything is stopped in reverse order and the report is
 built from the topics alone. Ctrl-C or SIGTERM ends it the same way at any point, leaving no
-process behind.
+process behind, and so does an alert whose rule's action is stop (streams.alerts; the outcome says
+which rule). Every alert of the run is said on stderr as it arrives.
 
 The pieces, one concern each: pipeline/run/policy.py (the policy), supervision.py (the processes
 and their restart budget), engines.py (the engines, started and restarted), follower.py (the live
@@ -46,11 +47,12 @@ from pipeline.run.plan import (
 from pipeline.run.policy import ensure_policy
 from pipeline.run.supervision import RunFailed, Stack
 from schemas.prometheus import metrics_line
+from streams.alerts import describe
 from streams.worker import start_at_end
 
 # What callers of `rollstream up`'s machinery (the CLI, `rollstream eval`, the benchmarks) import from here.
-__all__ = ["Interrupted", "RunFailed", "RunFollower", "Stack", "Tick", "catch_interrupts", "default_run_id",
-           "run_up", "shut_down", "start_engines", "summary_json", "timestamped"]
+__all__ = ["STOPPED_BY_ALERT", "Interrupted", "RunFailed", "RunFollower", "Stack", "Tick", "catch_interrupts",
+           "default_run_id", "run_up", "shut_down", "start_engines", "summary_json", "timestamped"]
 
 
 def _iso(seconds: float) -> str:
@@ -67,6 +69,9 @@ def timestamped(console: Console) -> Callable[[str], None]:
 def default_run_id() -> str:
     return time.strftime("run-%Y%m%d-%H%M%S")
 
+
+STOPPED_BY_ALERT = "stopped by alert"
+"""The start of the outcome of a run an alert stopped: `stopped by alert RULE`."""
 
 Tick = Callable[[Stack, dict[str, Any]], None]
 """Called about once a second with the run's processes and its live snapshot (`bench faults` injects
@@ -144,6 +149,7 @@ def _watch(cfg: RollstreamConfig, run: str, stack: Stack, follower: RunFollower,
     when a process dies on its own beyond its restart budget."""
     learner_done_at: float | None = None
     title = f"rollstream up — run {run}"
+    alerts_said = 0
     with Live(console=console, refresh_per_second=1, transient=False) if live else nullcontext() as screen:
         while True:
             time.sleep(1.0)
@@ -152,6 +158,12 @@ def _watch(cfg: RollstreamConfig, run: str, stack: Stack, follower: RunFollower,
                 final_done = final_round is None or follower.view.validation_complete(final_round)
             if screen is not None:
                 screen.update(render(snap, title))
+            for alert in snap["alerts"][alerts_said:]:
+                say(f"alert {describe(alert)}")
+            alerts_said = len(snap["alerts"])
+            if snap["stopped_by"] is not None:
+                say(f"alert {snap['stopped_by']} stops the run: stopping every process of the run")
+                return f"{STOPPED_BY_ALERT} {snap['stopped_by']}"
             learner = next(c for c in stack.children if c.child.name == "learner")
             if learner_done_at is None and learner.process.poll() == 0:
                 learner_done_at = time.monotonic()

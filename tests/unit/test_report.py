@@ -28,8 +28,9 @@ from pipeline.analysis.report import (
 from pipeline.analysis.run_report import events_from_records, print_summary
 from pipeline.cli.report import app as report_app
 from pipeline.analysis.replay_records import ReplayRecord
-from schemas import arrays, codec, topics
+from schemas import arrays, codec, samples, topics
 from schemas.ids import batch_id, group_id, trajectory_id
+from streams.alerts import resume_event
 
 RUN = "synthetic"
 T0 = 1_700_000_000_000  # first event of the run: the first task request
@@ -234,7 +235,8 @@ def test_report_has_a_behaviour_table_per_task_with_its_calls_per_tool(tmp_path:
 def test_run_with_no_events_builds_an_empty_report(tmp_path: Path) -> None:
     summary = build_report({}, tmp_path / "empty", RUN)
     assert summary == {"run": RUN, "duration_s": 0.0, "learner_steps": 0, "tasks": {}, "trajectories": 0,
-                       "figures": [], "learning_signal": {}, "behaviour": {}}
+                       "figures": [], "learning_signal": {}, "behaviour": {},
+                       "alerts": {"events": [], "paused_by": None, "stopped_by": None}}
     assert "No trajectories in this run yet" in (tmp_path / "empty" / "report.md").read_text()
 
 
@@ -340,3 +342,31 @@ def test_groups_filtered_out_as_all_equal_count_as_equal_groups_once_and_validat
                dropped("v1"), {"name": "actor/pg_loss", "labels": {}}]
     assert learning_signal(groups, metrics, validation_groups={"v1"}) == {
         "calc": {"groups": 2, "all_equal": 1, "filtered": 1}, "os": {"groups": 1, "all_equal": 1, "filtered": 1}}
+
+
+def test_report_lists_the_runs_alerts_once_each_and_says_the_run_was_stopped(tmp_path: Path) -> None:
+    base = {**samples.alert(), "run": RUN}
+    pause = event("alert", {**base, "alert_id": f"{RUN}/looping/os/1", "at_ms": T0 + 90_000})
+    resume = event("alert", resume_event(RUN, "rollstream alerts resume", T0 + 120_000))
+    stop = event("alert", {**base, "alert_id": f"{RUN}/truncating/db/1", "rule": "truncating", "task": "db",
+                           "figure": "truncation_share", "value": 0.97, "threshold": 0.5, "action": "stop",
+                           "steps": 8, "trajectories": 4, "at_ms": T0 + 180_000})
+    other = event("alert", {**base, "run": "other-run", "action": "stop"})
+    summary = build_report({topics.ALERTS: [pause, pause, resume, stop, other],
+                            topics.TASKS_REQUESTED: [requested(trajectory("calc", "train", 0, 0, 0, True), 0)]},
+                           tmp_path, RUN, settings=ReportSettings(dpi=50))
+    alerts = summary["alerts"]
+    assert [(a["action"], a["rule"]) for a in alerts["events"]] == [("pause", "looping"), ("resume", ""),
+                                                                   ("stop", "truncating")]
+    assert (alerts["stopped_by"], alerts["paused_by"]) == ("truncating", None)
+    assert json.loads((tmp_path / "summary.json").read_text())["alerts"] == alerts
+    report = (tmp_path / "report.md").read_text()
+    assert "**The run was stopped by alert `truncating`.**" in report
+    assert "| 3.0 | stop | truncating | db | truncation_share | 0.97 | above 0.5 | 8 | 4 |" in report
+    assert "| 2.0 | resume | — | * | — | — | — | 0 | 0 |" in report
+
+
+def test_a_run_without_alerts_says_none_fired(full_report: tuple[Path, dict[str, Any]]) -> None:
+    out_dir, summary = full_report
+    assert summary["alerts"] == {"events": [], "paused_by": None, "stopped_by": None}
+    assert "_No alert fired._" in (out_dir / "report.md").read_text()

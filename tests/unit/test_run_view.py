@@ -82,3 +82,25 @@ def test_engines_of_other_runs_are_not_shown_and_render_draws_every_table():
     console.print(render(view.snapshot(0), "run r"))
     text = console.export_text()
     assert "r.current-0" in text and "calc" in text and "learner step" in text and "behaviour" in text
+
+
+def _alert(action: str, n: int, run: str = "r") -> dict:
+    return {**samples.example("alert"), "run": run, "alert_id": f"{run}/loops/os/{n}", "action": action}
+
+
+def test_alerts_are_listed_once_each_and_say_whether_the_run_is_paused_or_stopped():
+    view = RunView("r")
+    view.apply(topics.ALERTS, _alert("pause", 1), 0)
+    view.apply(topics.ALERTS, _alert("pause", 1), 0)  # an at-least-once duplicate
+    view.apply(topics.ALERTS, _alert("stop", 1, run="other"), 0)
+    snap = view.snapshot(0)
+    assert [a["alert_id"] for a in snap["alerts"]] == ["r/loops/os/1"]
+    assert (snap["paused_by"], snap["stopped_by"]) == ("looping", None)
+    console = Console(record=True, width=200)
+    console.print(render(snap, "run r"))
+    text = console.export_text()
+    assert "paused by looping: rollstream alerts resume --run r" in text and "repeated_call_share" in text
+    view.apply(topics.ALERTS, {**_alert("resume", 0), "alert_id": "r/resume/5", "rule": ""}, 0)
+    view.apply(topics.ALERTS, _alert("stop", 3), 0)
+    snap = view.snapshot(0)
+    assert (len(snap["alerts"]), snap["paused_by"], snap["stopped_by"]) == (3, None, "looping")

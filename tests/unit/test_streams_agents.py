@@ -23,6 +23,7 @@ from schemas.codec import codec
 from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams import aggregator_agent as agg
 from streams import batcher_state as bat
+from streams import behaviour
 from streams import metrics_agent as met
 from streams import router_agent as rt
 from streams import routing
@@ -442,7 +443,7 @@ def test_metrics_summary_has_the_per_task_behaviour_figures_and_publishes_them()
     assert events[("streams/tool_success_rate", (("task", "db"), ("tool", "bash_action")))] == pytest.approx(2 / 3)
     assert events[("streams/tool_calls", (("task", "db"), ("tool", "execute_sql")))] == 2.0
     assert events[("streams/dangerous_calls_by_pattern", (("pattern", "recursive_delete"), ("task", "db")))] == 1.0
-    assert {f"streams/{figure}" for figure in met.BEHAVIOUR_FIGURES} <= {name for name, _ in events}
+    assert {f"streams/{figure}" for figure in behaviour.FIGURES} <= {name for name, _ in events}
 
 
 def test_create_app_declares_only_the_chosen_jobs():
