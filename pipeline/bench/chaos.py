@@ -61,6 +61,7 @@ CHAOS_RESTARTS = 100
 CHECKPOINT_POLL_S = 0.1
 KAFKA_DIR = Path(os.environ.get("ROLLSTREAM_RUN", REPO_ROOT / ".run")) / "kafka"
 BALLAST_NAME = "chaos-ballast"
+IN_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
 class NotInjected(Exception):
@@ -283,6 +284,10 @@ class ChaosInjector(Injector):
 
     def _chaos_kafka_disk_full(self, stack: Stack, fault: Injected) -> tuple[str, list]:
         path = KAFKA_DIR / BALLAST_NAME
+        fstype = filesystem_type(KAFKA_DIR)
+        if fstype in IN_MEMORY_FILESYSTEMS:
+            # Preallocating there takes memory, not disk: the OOM killer, not a full disk, would answer.
+            raise NotInjected(f"{KAFKA_DIR} is on {fstype}, in memory")
         free = os.statvfs(KAFKA_DIR)
         size = ballast_bytes(free.f_bavail * free.f_frsize, self.headroom)
         if size == 0:
@@ -309,6 +314,14 @@ class ChaosInjector(Injector):
     def close(self) -> None:
         self.lift_all()
         self._watermarks.close()
+
+
+def filesystem_type(path: Path) -> str:
+    """The type of the filesystem `path` lies on (the longest mount point above it)."""
+    resolved = str(path.resolve())
+    mounts = [p for p in psutil.disk_partitions(all=True)
+              if resolved == p.mountpoint or resolved.startswith(p.mountpoint.rstrip("/") + "/")]
+    return max(mounts, key=lambda p: len(p.mountpoint)).fstype if mounts else "unknown"
 
 
 def left_behind(run: str) -> list[str]:
