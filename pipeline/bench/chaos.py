@@ -59,6 +59,8 @@ DEFAULT_CONFIG = REPO_ROOT / "configs" / "faults.yaml"
 CHAOS_RESTARTS = 100
 """The run's restart budget: an hour of chaos kills each process several times on purpose."""
 CHECKPOINT_POLL_S = 0.1
+START_LIMIT_S = 900.0
+"""How long the run may take to train its first version (engines start, the first batch fills)."""
 KAFKA_DIR = Path(os.environ.get("ROLLSTREAM_RUN", REPO_ROOT / ".run")) / "kafka"
 BALLAST_NAME = "chaos-ballast"
 IN_MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
@@ -77,8 +79,9 @@ class ChaosInjector(Injector):
         super().__init__(cfg, run, schedule=None, say=say)  # type: ignore[arg-type]
         self.chaos = schedule
         self.headroom = headroom_mb * 2**20
-        self.started = time.monotonic()
-        self.started_ms = int(time.time() * 1000)
+        self.created = time.monotonic()
+        self.started: float | None = None  # the chaos clock starts at the learner's first trained version
+        self.started_ms = 0
         self.last_version = -1
         self.last_batches_end: int | None = None
         self.lasting: list[tuple[Injected, dict[str, Any]]] = []  # open lasting faults and their state
@@ -88,12 +91,22 @@ class ChaosInjector(Injector):
                                                                "enable.auto.commit": False}))
 
     def now_s(self) -> float:
-        return time.monotonic() - self.started
+        return 0.0 if self.started is None else time.monotonic() - self.started
 
     # -- the tick -------------------------------------------------------------------------------
 
     def tick(self, stack: Stack, snap: dict[str, Any]) -> None:
-        now, version = self.now_s(), snap["learner_version"]
+        version = snap["learner_version"]
+        if self.started is None:
+            # Engines starting and the first batch filling are not chaos time.
+            if version < self.chaos.s.start_version:
+                if time.monotonic() - self.created > START_LIMIT_S:
+                    raise RunFailed(f"the learner published no version {self.chaos.s.start_version} within "
+                                    f"{START_LIMIT_S:.0f} s")
+                return
+            self.started, self.started_ms = time.monotonic(), int(time.time() * 1000)
+            self.say(f"learner at version {version}: {self.chaos.s.minutes:g} minutes of chaos begin")
+        now = self.now_s()
         moments = self._moments(version)
         self._lift(stack, now)
         episode = self.chaos.open

@@ -167,7 +167,8 @@ def _watch(cfg: RollstreamConfig, run: str, stack: Stack, follower: RunFollower,
             learner = next(c for c in stack.children if c.child.name == "learner")
             if learner_done_at is None and learner.process.poll() == 0:
                 learner_done_at = time.monotonic()
-                say(f"learner finished {cfg.max_steps} steps; waiting for validation round {final_round}")
+                say(f"learner finished at version {snap['learner_version']}"
+                    + (f"; waiting for validation round {final_round}" if final_round is not None else ""))
             stack.supervise(say, finished=("learner",))
             restart.dead_engines(stack, snap["learner_version"])
             if on_tick is not None:
