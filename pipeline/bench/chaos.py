@@ -52,6 +52,7 @@ from pipeline.bench.faults import Injector
 from pipeline.bench.faults_logic import dead_letter_positions, repeated_ids
 from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
+from pipeline.run.follower import QUIET_CLIENT_LOG
 from pipeline.run.up import RunFailed, Stack, default_run_id, run_up, timestamped
 from schemas import objectstore, topics
 
@@ -88,7 +89,8 @@ class ChaosInjector(Injector):
         self.stopped_learner = False
         self._mc = objectstore.client(cfg.object_store)
         self._watermarks = Consumer(cfg.kafka.as_confluent(**{"group.id": f"{run}-chaos-watch",
-                                                               "enable.auto.commit": False}))
+                                                               "enable.auto.commit": False,
+                                                               "logger": QUIET_CLIENT_LOG}))
 
     def now_s(self) -> float:
         return 0.0 if self.started is None else time.monotonic() - self.started

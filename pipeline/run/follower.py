@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -11,6 +12,9 @@ from pipeline.run.live_view import RunView
 from schemas import topics
 from schemas.codec import UndecodableEvent, codec
 from schemas.settings import KafkaSettings
+
+QUIET_CLIENT_LOG = logging.getLogger("rollstream.run-view.kafka")
+QUIET_CLIENT_LOG.setLevel(logging.CRITICAL)
 
 FOLLOWED = (topics.TASKS_REQUESTED, topics.TRAJECTORIES, topics.STEPS, topics.WEIGHTS, topics.METRICS, topics.ENGINES,
             topics.ALERTS)
@@ -23,8 +27,10 @@ class RunFollower(threading.Thread):
         super().__init__(name="run-follower", daemon=True)
         self.view, self.lock, self._halt = view, threading.Lock(), threading.Event()
         self.undecodable = 0
+        # librdkafka logs every refused connect (about 20 a second) while the broker restarts; the view
+        # rides through that without a word on the screen it shares.
         self._consumer = Consumer(kafka.as_confluent(**{"group.id": f"rollstream-up-view.{view.run}",
-                                                        "enable.auto.commit": False}))
+                                                        "enable.auto.commit": False, "logger": QUIET_CLIENT_LOG}))
         wanted = []
         for name in FOLLOWED:
             meta = self._consumer.list_topics(name, timeout=10).topics[name]
