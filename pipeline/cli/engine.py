@@ -32,6 +32,8 @@ def engine(
     engine_id: str = typer.Option("", "--engine-id", help="Stable engine id (default: <pool>-<port>)."),
     run: str = typer.Option("", "--run", help="Run whose `weights` to follow (default: the configured run)."),
     initial_version: int = typer.Option(0, "--initial-version", help="Weight version of --model."),
+    served_name: str = typer.Option("", "--served-name", help="Model id clients send (default: --model's path). "
+                                    "An engine restarted on a later version's directory keeps its run's id."),
     stale_step: int = typer.Option(EngineSettings().stale_step, "--stale-step", help="Stale pool refresh period."),
     max_model_len: int = typer.Option(EngineSettings().max_model_len, "--max-model-len", help="Longest sequence."),
     heartbeat_s: float = typer.Option(EngineSettings().heartbeat_interval_s, "--heartbeat-s", help="Heartbeat period."),
@@ -60,7 +62,8 @@ def engine(
     except ValidationError as error:
         fail(validation_message(error))
     job = EngineJob(model=model, run=run or cfg.run, engine_id=engine_id or f"{pool.value}-{port}", host=host,
-                    port=port, advertise_url=advertise_url, initial_version=initial_version, work_dir=work_dir)
+                    port=port, advertise_url=advertise_url, initial_version=initial_version, work_dir=work_dir,
+                    served_name=served_name)
     try:
         run_engine(cfg, settings, job)
     except EngineFailed as error:

