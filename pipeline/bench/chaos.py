@@ -87,6 +87,7 @@ class ChaosInjector(Injector):
         self.last_batches_end: int | None = None
         self.lasting: list[tuple[Injected, dict[str, Any]]] = []  # open lasting faults and their state
         self.stopped_learner = False
+        self._served_ids: dict[str, str | None] = {}  # engine id -> the model id it served before its fault
         self._mc = objectstore.client(cfg.object_store)
         self._watermarks = Consumer(cfg.kafka.as_confluent(**{"group.id": f"{run}-chaos-watch",
                                                                "enable.auto.commit": False,
@@ -197,11 +198,12 @@ class ChaosInjector(Injector):
                 stack.restarts.get(fault.killed, 0) > episode.restarts_before.get(fault.killed, 0)
         if fault.name in ("engine_kill", "engine_hang"):
             engine = next((e for e in stack.engines if e.engine_id == fault.hit), None)
-            try:
-                return engine is not None and engine.process.poll() is None and \
-                    httpx.get(f"{engine.url}/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
+            # Serving again means serving the run's model id: a restarted engine that answers /health
+            # under another id refuses every rollout (404).
+            if engine is None or engine.process.poll() is not None:
                 return False
+            now = served_id(engine.url)
+            return now is not None and now == (self._served_ids.get(fault.hit) or now)
         return True
 
     def _stop_learner(self, stack: Stack) -> None:
@@ -275,6 +277,8 @@ class ChaosInjector(Injector):
         return self._kill_child(stack, "learner")
 
     def _chaos_engine_kill(self, stack: Stack, fault: Injected) -> tuple[str, list]:
+        engine = next(e for e in stack.engines if e.pool == "current")
+        self._served_ids[engine.engine_id] = served_id(engine.url)
         detail, poison = self._engine_kill(stack)
         fault.hit = fault.killed = self._killed_engine
         return detail, poison
@@ -284,6 +288,7 @@ class ChaosInjector(Injector):
         if engine is None:
             raise NotInjected("no current-pool engine is running")
         fault.hit = engine.engine_id
+        self._served_ids[engine.engine_id] = served_id(engine.url)
         pids = [engine.process.pid, *(p.pid for p in psutil.Process(engine.process.pid).children(recursive=True))]
         self._signal_tree(pids, signal.SIGSTOP)
         self.lasting.append((fault, {"pids": pids}))
@@ -329,6 +334,15 @@ class ChaosInjector(Injector):
     def close(self) -> None:
         self.lift_all()
         self._watermarks.close()
+
+
+def served_id(url: str) -> str | None:
+    """The model id an engine serves (None while it does not answer)."""
+    try:
+        response = httpx.get(f"{url}/v1/models", timeout=2)
+        return response.json()["data"][0]["id"] if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, KeyError, IndexError):
+        return None
 
 
 def filesystem_type(path: Path) -> str:
