@@ -147,13 +147,24 @@ class ChaosInjector(Injector):
             return None
 
     def _staged_unannounced(self, version: int) -> bool:
-        from learner.publish import manifest_uri  # noqa: PLC0415 (the learner's key layout)
+        """The learner has staged its next version but not written that step's checkpoint yet (it
+        announces only after the checkpoint). Both are read from the object store: the run's
+        follower may not have seen the newest announcement yet."""
+        from learner.checkpoint import META_FILE, step_prefix  # noqa: PLC0415 (the learner's key layout)
+        from learner.publish import manifest_uri  # noqa: PLC0415
 
         bucket, key = objectstore.parse_uri(manifest_uri(self.run, version + 1))
+        if not self._exists(bucket, key):
+            return False
+        # One step per version: the checkpoint of the step that made version v is at step v; its meta
+        # file is written after its state, so without it the checkpoint is not complete.
+        return not self._exists(topics.CHECKPOINTS_BUCKET, step_prefix(self.run, version + 1) + META_FILE)
+
+    def _exists(self, bucket: str, key: str) -> bool:
         try:
             self._mc.stat_object(bucket, key)
             return True
-        except Exception:  # noqa: BLE001 (absent, or the object store is away: not the moment)
+        except Exception:  # noqa: BLE001 (absent, or the object store is away)
             return False
 
     def _wait_for_checkpoint(self, version: int) -> set[str]:
