@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,16 @@ from schemas.settings import ObjectStoreSettings
 
 # MinIO's SDK uploads in parts of this size above it; 16 MiB keeps memory bounded.
 PART_SIZE = 16 * 1024 * 1024
+
+# Refusals of a write that pass by themselves: a drive under MinIO's free-space threshold (it frees up
+# when retention or an operator deletes), throttling, a server still starting. Connection errors are
+# retried by the SDK's own HTTP pool; these come back as answers, which it does not retry.
+TRANSIENT_WRITE_CODES = frozenset({"XMinioStorageFull", "SlowDown", "ServiceUnavailable",
+                                   "XMinioServerNotInitialized"})
+WRITE_RETRY_S = 600.0
+"""How long a write keeps being retried while the store refuses it for one of those reasons."""
+
+log = logging.getLogger(__name__)
 
 
 def client(settings: ObjectStoreSettings) -> Minio:
@@ -61,9 +73,33 @@ def ensure_buckets(mc: Minio, buckets: Iterable[str]) -> list[str]:
     return created
 
 
+def retry_delay(attempt: int) -> float:
+    """Seconds before retry `attempt` (1, 2, ...) of a refused write: doubling from 1 s, at most 15 s."""
+    return float(min(15, 2 ** (attempt - 1)))
+
+
+def _write(what: str, write: Callable[[], Any], deadline_s: float = WRITE_RETRY_S,
+           sleep: Callable[[float], None] = time.sleep, clock: Callable[[], float] = time.monotonic) -> None:
+    """Runs `write`, again after a pause while the store refuses it for a reason that passes
+    (TRANSIENT_WRITE_CODES), for up to `deadline_s`; then, or on any other refusal, raises."""
+    started, attempt = clock(), 0
+    while True:
+        try:
+            write()
+            return
+        except S3Error as error:
+            attempt += 1
+            if error.code not in TRANSIENT_WRITE_CODES or clock() - started >= deadline_s:
+                raise
+            delay = retry_delay(attempt)
+            log.warning("object store refused %s (%s): retrying in %.0f s", what, error.code, delay)
+            sleep(delay)
+
+
 def put_bytes(mc: Minio, bucket: str, key: str, data: bytes, content_type: str = "application/octet-stream") -> str:
-    """Uploads `data`; returns its hex sha256."""
-    mc.put_object(bucket, key, io.BytesIO(data), length=len(data), content_type=content_type)
+    """Uploads `data` (retried while the store refuses it for a passing reason); returns its hex sha256."""
+    _write(f"s3://{bucket}/{key}",
+           lambda: mc.put_object(bucket, key, io.BytesIO(data), length=len(data), content_type=content_type))
     return hashlib.sha256(data).hexdigest()
 
 
@@ -77,8 +113,8 @@ def get_bytes(mc: Minio, bucket: str, key: str) -> bytes:
 
 
 def put_file(mc: Minio, bucket: str, key: str, path: Path) -> None:
-    """Uploads a file; large files go up as a multipart upload in PART_SIZE parts."""
-    mc.fput_object(bucket, key, str(path), part_size=PART_SIZE)
+    """Uploads a file; large files go up as a multipart upload in PART_SIZE parts (retried as put_bytes)."""
+    _write(f"s3://{bucket}/{key}", lambda: mc.fput_object(bucket, key, str(path), part_size=PART_SIZE))
 
 
 def get_file(mc: Minio, bucket: str, key: str, path: Path) -> None:

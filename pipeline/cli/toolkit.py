@@ -108,3 +108,9 @@ class App(typer.Typer):
 
     def command(self, name: str | None = None, *, cls: type[TyperCommand] | None = None, **kwargs: Any) -> Any:
         return super().command(name, cls=cls or Command, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # Typer's own __call__ marks an escaping exception for its pretty printer with setattr, which
+        # fails on frozen exceptions (minio's S3Error): the process then died saying "S3Error is frozen"
+        # instead of what the store answered. Pretty printing is off here, so the mark is not needed.
+        return typer.main.get_command(self)(*args, **kwargs)
