@@ -1,7 +1,8 @@
 """The os family: AgentBench's OS interaction tasks behind the function-call API, in a sandbox.
 
-Per session (AgentBench `start_sample`/`_judge`): a fresh sandbox from the task's image; the
-`init` scripts run as independent processes whose exit codes are not checked, as AgentBench
+Per session (AgentBench `start_sample`/`_judge`): a fresh sandbox from the task's image; for a
+variant (`os_variants.py`: a tool removed, the shell started elsewhere) its perturbation, whose
+failure is a `task_error`; the `init` scripts run as independent processes whose exit codes are not checked, as AgentBench
 discards `exec_run`'s result (a script that fails part-way, e.g. data/4/Q09's redirection to fd
 123321 above the open-file limit, leaves what it did; counted in `metrics["init_failures"]`, and
 the golden/no-op check finds the tasks this breaks); a sandbox that cannot run a script or a
@@ -19,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from env_workers.envs import os_oracle, os_tiers
+from env_workers.envs import os_oracle, os_tiers, os_variants
 from env_workers.envs.base import (
     EnvSettings,
     Environment,
@@ -89,11 +90,14 @@ class OsEnvironment(Environment):
         return self._backend
 
     async def open(self, sample: Mapping[str, Any]) -> Opened:
+        variant = os_variants.from_sample(sample)
         sandbox = await self.backend.open(sample["image"])
         try:
             # AgentBench opens the agent's `bash --login` before the init scripts run, so what they
             # write to ~/.bashrc is not yet in the shell's environment.
             await sandbox.shell.ensure()
+            if variant is not None:
+                await self._perturb(sandbox, variant)
             init_failures = 0
             for script in sample["init"]:
                 if script is None:
@@ -125,6 +129,20 @@ class OsEnvironment(Environment):
     async def close(self, session: Session) -> None:
         if session.state is not None:
             await session.state.sandbox.close()
+
+    async def _perturb(self, sandbox: Sandbox, variant: os_variants.Variant) -> None:
+        """The variant's perturbation, before the task's init. Unlike an init script's, its failure is checked:
+        a variant that did not happen would be graded as if it had (a task_error instead)."""
+        setup = os_variants.setup_script(variant)
+        if setup is not None:
+            result = await sandbox.run(["bash", "-c", setup], self.sandbox_settings.script_timeout_s)
+            if result.timed_out or result.exit_code != 0:
+                raise TaskError(f"variant {variant.name}: its setup exited {result.exit_code}: {result.output[-300:]}")
+        command = os_variants.shell_command(variant)
+        if command is not None:
+            result = await sandbox.shell.run(command, self.sandbox_settings.command_timeout_s)
+            if result.exit_code != 0:
+                raise TaskError(f"variant {variant.name}: the shell could not start there: {result.output[-300:]}")
 
     async def _judge_run(self, sandbox: Sandbox, script: Script, params: Sequence[str]) -> tuple[int, str]:
         result = await self._run_script(sandbox, script, params)
@@ -160,7 +178,7 @@ FAMILY = Family(
     make=make,
     load=load_tasks,
     splits={"test": TEST_FILES, "train": (f"{DATA}/train_0317/training.json",),
-            **{split: () for split in os_tiers.SPLITS}},
+            **{split: () for split in (*os_tiers.SPLITS, *os_tiers.VARIANT_SPLITS)}},
     golden=os_oracle.golden,
     noop=os_oracle.noop,
     generate=os_tiers.generate,

@@ -20,7 +20,7 @@ def test_splits_have_the_configured_sizes_and_the_six_kinds_in_turn() -> None:
     assert [len(registry.samples("os", s, small)) for s in os_tiers.SPLITS] == [12, 6]
     kinds = collections.Counter(os_tiers.KINDS[i % 6] for i in range(600))
     assert set(kinds.values()) == {100}
-    assert {"test", "train", *os_tiers.SPLITS} == set(registry.split_names("os"))
+    assert {"test", "train", *os_tiers.SPLITS, *os_tiers.VARIANT_SPLITS} == set(registry.split_names("os"))
 
 
 def test_same_seed_gives_the_same_tasks_and_another_seed_others() -> None:
