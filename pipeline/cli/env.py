@@ -49,10 +49,16 @@ def _samples(name: str, data: Path | None, split: str | None, settings: EnvSetti
 
 
 def _print_table(result: dict[str, Any]) -> None:
+    columns = ("tasks", "golden_pass", "noop_pass", "errors")
     table = Table(title=f"env check: {result['family']}")
-    for column in ("tasks", "golden_pass", "noop_pass", "errors"):
+    variants = result.get("variants", {})
+    if variants:  # one row per kind of variant (os_variants.py), then the total
+        table.add_column("variant")
+    for column in columns:
         table.add_column(column, justify="right")
-    table.add_row(*(str(result[c]) for c in ("tasks", "golden_pass", "noop_pass", "errors")))
+    for kind, counts in variants.items():
+        table.add_row(kind, *(str(counts[c]) for c in columns))
+    table.add_row(*(["all"] if variants else []), *(str(result[c]) for c in columns))
     console = Console()
     console.print(table)
     failing = result["failing_ids"]

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from env_workers.envs.base import DEFAULT_DATA_ROOT
+from env_workers.envs import registry
+from env_workers.envs.base import DEFAULT_DATA_ROOT, EnvSettings
 from pipeline.cli import env as env_cmd
 
 DB_DEV = DEFAULT_DATA_ROOT / "agentbench" / "dbbench" / "dev.jsonl"
@@ -78,3 +79,33 @@ def test_unreadable_data_file_is_a_user_error(tmp_path: Path) -> None:
 def test_help_shows_an_example() -> None:
     result = runner.invoke(env_cmd.app, ["check", "--help"])
     assert "Example: rollstream env check" in result.stdout
+
+
+def _variant_file(tmp_path: Path) -> Path:
+    """Three calc tasks marked as variants of two kinds (any family's sample may carry `variant`), one unfit."""
+    tasks = [dict(task) for task in registry.samples("calc", "dev", EnvSettings())[:2]]
+    tasks.append({"id": "zero", "start": 0, "steps": [], "answer": 0})  # the no-op (submit 0) passes it
+    kinds = ["moved_file", "working_directory", "working_directory"]
+    lines = [json.dumps({**task, "id": f"{task['id']}~v", "variant": {"name": "v", "kind": kind}})
+             for task, kind in zip(tasks, kinds)]
+    path = tmp_path / "variants.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_variants_are_counted_per_kind_and_named_among_the_unfit(tmp_path: Path) -> None:
+    result = runner.invoke(env_cmd.app, ["check", "--family", "calc", "--data", str(_variant_file(tmp_path)), "--json"])
+    assert result.exit_code == 0
+    report = json.loads(result.stdout)
+    assert (report["tasks"], report["golden_pass"], report["noop_pass"], report["failing_ids"]) == (3, 3, 1, ["zero~v"])
+    assert report["variants"] == {
+        "moved_file": {"tasks": 1, "golden_pass": 1, "noop_pass": 0, "errors": 0},
+        "working_directory": {"tasks": 2, "golden_pass": 2, "noop_pass": 1, "errors": 0},
+    }
+
+
+def test_the_table_has_a_row_per_variant_kind_and_a_total(tmp_path: Path) -> None:
+    result = runner.invoke(env_cmd.app, ["check", "--family", "calc", "--data", str(_variant_file(tmp_path))])
+    rows = [line for line in result.stdout.splitlines() if line.startswith("│")]
+    assert [row.split("│")[1].strip() for row in rows] == ["moved_file", "working_directory", "all"]
+    assert "unfit for training (1): zero~v" in result.stdout
