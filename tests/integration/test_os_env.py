@@ -1,17 +1,22 @@
-"""Golden and no-op solutions over AgentBench's OS data (data/1..7), with the pass rates measured here."""
+"""Golden and no-op solutions over AgentBench's OS data (data/1..7), the generated easy tier and its perturbed
+variants, with the pass rates measured here."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers.sandboxes import dockerd  # noqa: F401  (a fixture)
+from typer.testing import CliRunner
 
-from env_workers.envs import registry
-from env_workers.envs.base import EnvSettings, Environment, Policy, TaskError
+from env_workers.envs import os_tiers, registry
+from env_workers.envs.base import EnvSettings, Environment, Policy, TaskError, assistant_call
 from env_workers.envs.os_env import make
 from env_workers.sandbox import SandboxSettings
+from pipeline.cli import env as env_cmd
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DOCKER_HOST = f"unix://{REPO_ROOT / '.run' / 'dockerd' / 'docker.sock'}"
@@ -91,3 +96,57 @@ def test_golden_passes_and_noop_fails_on_all_os_tasks_under_docker() -> None:
     golden_fails, noop_passes = _check(SandboxSettings(backend="docker", docker_host=DOCKER_HOST), samples)
     assert golden_fails - TIMING_DEPENDENT == BOTH_GOLDEN_FAILS
     assert noop_passes == set()
+
+
+def test_env_check_passes_golden_and_fails_noop_on_every_easy_dev_variant_under_bwrap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`rollstream env check --family os --split easy-dev-variants`: each easy-dev task in each of its variants."""
+    monkeypatch.setenv("ROLLSTREAM_ENVS__OS_SANDBOX__BACKEND", "bwrap")
+    result = CliRunner().invoke(env_cmd.app, ["check", "--family", "os", "--split", "easy-dev-variants", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {
+        "family": "os", "tasks": 171, "golden_pass": 171, "noop_pass": 0, "errors": 0, "failing_ids": [],
+        "variants": {"missing_tool": {"tasks": 51, "golden_pass": 51, "noop_pass": 0, "errors": 0},
+                     "moved_file": {"tasks": 60, "golden_pass": 60, "noop_pass": 0, "errors": 0},
+                     "working_directory": {"tasks": 60, "golden_pass": 60, "noop_pass": 0, "errors": 0}},
+    }
+
+
+@pytest.fixture(params=["bwrap", "docker"])
+def backend_settings(request: pytest.FixtureRequest) -> SandboxSettings:
+    if request.param == "docker":
+        return SandboxSettings(backend="docker", docker_host=request.getfixturevalue("dockerd"))
+    return SandboxSettings(backend="bwrap")
+
+
+async def _first_outputs(env: Environment, runs: list[tuple[dict, str]]) -> list[str]:
+    """For each (sample, command): the output of the command as the episode's first action, in a session of its own."""
+    outputs = []
+    for sample, command in runs:
+        session = await env.start(sample)
+        try:
+            observation = await env.observation(session, assistant_call("bash_action", {"script": command}))
+            outputs.append(observation.messages[0]["content"])
+        finally:
+            await env.end(session)
+    return outputs
+
+
+def test_variants_perturb_their_own_session_and_nothing_beyond_it(backend_settings: SandboxSettings) -> None:
+    variants = {s["id"]: s for s in registry.samples("os", "easy-dev-variants", EnvSettings())}
+    moved = variants["easy-dev-00001~moved"]
+    [home] = [h for h in os_tiers.MOVED_HOMES if h in moved["description"]]
+    cwd = variants["easy-dev-00000~cwd"]["variant"]["cwd"]
+    plain = registry.sample("os", "easy-dev", 1, EnvSettings())
+    missing, started, placed, after = asyncio.run(_first_outputs(make(EnvSettings(), backend_settings), [
+        (variants["easy-dev-00001~no-grep"], "grep -q root /etc/passwd; echo rc=$?; /usr/bin/grep -q root /etc/passwd; "
+                                              "echo rc=$?; export PATH=/usr/bin:/bin:/usr/sbin:/sbin; grep; echo rc=$?"),
+        (variants["easy-dev-00000~cwd"], "pwd"),
+        (moved, f"ls {home} /root"),
+        (plain, "grep -q root /etc/passwd; echo rc=$?; pwd"),
+    ]))
+    assert "grep: command not found" in missing and missing.count("rc=127") == 3  # by name, by path, any PATH
+    assert started.strip() == cwd
+    assert placed.split() == [f"{home}:", "c.txt", "/root:"]
+    assert after.split() == ["rc=0", "/"]  # the next session has its grep and starts in /
