@@ -16,7 +16,6 @@ processor has just cut a batch).
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -48,7 +47,7 @@ from pipeline.bench.chaos_logic import (
     slow_phase,
     trained_twice,
 )
-from pipeline.bench.faults import Injector
+from pipeline.bench.faults import Injector, report_run
 from pipeline.bench.faults_logic import dead_letter_positions, repeated_ids
 from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
@@ -465,15 +464,5 @@ def bench_chaos(
         typer.echo(f"rollstream bench chaos: {error}", err=True)
         raise typer.Exit(code=2) from None
     ensure_random_policy(cfg.policy_dir())
-    console = Console(stderr=True)
-    try:
-        result = run_bench(cfg, run or default_run_id(), settings, headroom_mb, console)
-    except RunFailed as error:
-        console.print(f"[red]rollstream bench chaos: the run failed:[/red] {error}")
-        raise typer.Exit(code=1) from None
-    if as_json:
-        typer.echo(json.dumps(result, default=str))
-    else:
-        print_table(result, console)
-    if not result["ok"]:
-        raise typer.Exit(code=1)
+    report_run("bench chaos", lambda console: run_bench(cfg, run or default_run_id(), settings, headroom_mb, console),
+               as_json, print_table)

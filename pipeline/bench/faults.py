@@ -20,6 +20,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -243,15 +244,23 @@ def bench_faults(
         typer.echo(f"rollstream bench faults: {error}", err=True)
         raise typer.Exit(code=2) from None
     ensure_random_policy(cfg.policy_dir())
+    report_run("bench faults", lambda console: run_bench(cfg, run or default_run_id(), chosen, console), as_json,
+               print_table)
+
+
+def report_run(command: str, bench: Callable[[Console], dict[str, Any]], as_json: bool,
+               table: Callable[[dict[str, Any], Console], None]) -> None:
+    """Runs a fault benchmark and reports it: one JSON object on stdout, or its table on stderr; exit 1
+    when the run failed or its result is not `ok`."""
     console = Console(stderr=True)
     try:
-        result = run_bench(cfg, run or default_run_id(), chosen, console)
+        result = bench(console)
     except RunFailed as error:
-        console.print(f"[red]rollstream bench faults: the run failed:[/red] {error}")
+        console.print(f"[red]rollstream {command}: the run failed:[/red] {error}")
         raise typer.Exit(code=1) from None
     if as_json:
         typer.echo(json.dumps(result, default=str))
     else:
-        print_table(result, console)
+        table(result, console)
     if not result["ok"]:
         raise typer.Exit(code=1)
