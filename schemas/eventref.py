@@ -94,6 +94,9 @@ TRANSIENT_ERRORS = frozenset({
 OUTAGE_S = 300.0
 """How long a client rides through a broker that keeps failing transiently (a restart of the
 single broker, stop and start, takes well under this on a loaded machine)."""
+RENEW_EVERY = 4
+"""An EventFetcher replaces its consumer every this many retries of a failing read (the first after
+about 4 s of failures with backoff_s)."""
 
 
 def should_retry(code: int, *, retriable: bool = False, fatal: bool = False) -> bool:
@@ -161,9 +164,11 @@ class EventFetcher:
     """Reads referenced events' raw values (a consumer outside any group: assigns, never commits)."""
 
     def __init__(self, kafka: KafkaSettings, timeout_s: float = 30.0, outage_s: float = OUTAGE_S) -> None:
-        self._consumer = Consumer(kafka.as_confluent(**{
+        self._config = kafka.as_confluent(**{
             "group.id": "rollstream-event-fetch", "enable.auto.commit": False, "enable.partition.eof": True,
-            "fetch.message.max.bytes": kafka.message_max_bytes, "fetch.wait.max.ms": 10}))
+            "fetch.message.max.bytes": kafka.message_max_bytes, "fetch.wait.max.ms": 10})
+        self._consumer = Consumer(self._config)
+        self._retries = 0
         self.timeout_s = timeout_s
         """How long the events of one range, once the broker answers, may take to arrive."""
         self.outage_s = outage_s
@@ -181,7 +186,7 @@ class EventFetcher:
                 # A range read again from its start after a transient error: assign, read, nothing kept.
                 read = functools.partial(self._read_range, topic, partition, first, last, offsets)
                 found.update(retrying(read, f"reading {uri(topic, partition, first)} .. offset {last}", self.outage_s,
-                                      on_retry=_log_retry))
+                                      on_retry=self._on_retry))
         return found
 
     def fetch(self, ref: str) -> bytes:
@@ -216,6 +221,22 @@ class EventFetcher:
                 # compacted away or a transaction marker stood there: the offset holds no event
                 raise EventMissing(f"{topic}[{partition}] has no event at offsets {sorted(want)[:5]}")
         return out
+
+    def _on_retry(self, error: KafkaException, wait_s: float) -> None:
+        _log_retry(error, wait_s)
+        self._retries += 1
+        if self._retries % RENEW_EVERY == 0:
+            self._renew()
+
+    def _renew(self) -> None:
+        """A new consumer in place of the old one. After a broker restart an assign()-mode consumer can
+        keep metadata in which the partition does not exist and answer _UNKNOWN_PARTITION for as long as
+        it lives (bench chaos: 300 s of it, then the learner exited); a new one asks the broker afresh."""
+        old, self._consumer = self._consumer, Consumer(self._config)
+        try:
+            old.close()
+        except (KafkaException, RuntimeError) as e:  # a consumer whose broker is gone may not close cleanly
+            log.warning("closing the old event-fetch consumer: %s", e)
 
     def _position(self, topic: str, partition: int) -> int | None:
         pos = self._consumer.position([TopicPartition(topic, partition)])[0].offset
