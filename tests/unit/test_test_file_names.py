@@ -8,6 +8,6 @@ TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_no_two_test_files_share_a_basename():
-    names = Counter(p.name for p in TESTS.rglob("test_*.py") if "__pycache__" not in p.parts)
+    names = Counter(p.name for p in TESTS.rglob("test_*.py"))
     shared = sorted(name for name, count in names.items() if count > 1)
     assert not shared, f"test files share a basename (rename one): {shared}"
