@@ -43,6 +43,8 @@ def engine(
     metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
                                             help="Serve the supervisor's Prometheus metrics on this port, 0 any free "
                                                  "one (default none); vLLM's own are at the engine's /metrics."),
+    cpus: str = typer.Option(EngineSettings().cpus, "--cpus", help="Cores vLLM's CPU worker binds its threads to: "
+                             "auto (vLLM's choice), nobind, or a list such as 0-3,6."),
     metrics_host: str = typer.Option(EngineSettings().metrics_host, "--metrics-host",
                                      help="Address the supervisor's metrics bind: 0.0.0.0 for a scraper on another "
                                           "host (default loopback)."),
@@ -58,7 +60,7 @@ def engine(
     try:
         settings = EngineSettings(pool=pool.value, stale_step=stale_step, max_model_len=max_model_len,
                                   heartbeat_interval_s=heartbeat_s, stall_after_s=stall_after_s,
-                                  metrics_port=metrics_port, metrics_host=metrics_host)
+                                  metrics_port=metrics_port, metrics_host=metrics_host, cpus=cpus)
     except ValidationError as error:
         fail(validation_message(error))
     job = EngineJob(model=model, run=run or cfg.run, engine_id=engine_id or f"{pool.value}-{port}", host=host,

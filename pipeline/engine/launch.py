@@ -33,6 +33,29 @@ def stop_process_group(process: subprocess.Popen, timeout_s: float) -> int:
     return process.returncode
 
 
+def stop_process_groups(processes: list[tuple[subprocess.Popen, float]]) -> list[int]:
+    """`stop_process_group` of several processes at once: SIGTERM to every group first, then each waited
+    for up to its own timeout (from the moment of the signal) and SIGKILLed past it; their exit statuses,
+    in order. Stopping them together costs the slowest one's shutdown, not the sum of all."""
+    started = time.monotonic()
+    for process, _ in processes:
+        if process.poll() is None:
+            try:
+                os.killpg(process.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for process, timeout_s in processes:
+        try:
+            process.wait(timeout=max(0.0, started + timeout_s - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            process.wait()
+    return [process.returncode for process, _ in processes]
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nobody listens on at `host` now (the OS's choice); the caller binds it soon after."""
     return free_ports(1, host)[0]
@@ -59,6 +82,8 @@ class EngineProcess:
     log_path: Path
     metrics_port: int | None = None
     """Where its supervisor serves Prometheus metrics (vLLM's own are at the engine's url + /metrics)."""
+    cpus: str = "auto"
+    """The cores its vLLM worker binds to (`rollstream engine --cpus`), kept when it is started again."""
 
     @property
     def metrics_url(self) -> str | None:
@@ -165,12 +190,13 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
                   engine_id: str | None = None, extra_args: tuple[str, ...] = (),
                   cwd: Path | None = None, bind_host: str = "127.0.0.1",
                   advertise_host: str | None = None, nice: int = 0,
-                  env: dict[str, str] | None = None, metrics_port: int | None = None) -> EngineProcess:
+                  env: dict[str, str] | None = None, metrics_port: int | None = None,
+                  cpus: str = "auto") -> EngineProcess:
     """Starts `rollstream engine` in its own process group; call `wait_until_serving` next.
     bind_host 0.0.0.0 with an advertise_host lets other machines (containers) reach it; `nice` lowers the
     scheduling priority of the engine and of every process it starts (vLLM's inherit it); `env`, when
     given, replaces the environment it inherits; `metrics_port`, when given, is where the supervisor serves
-    its Prometheus metrics."""
+    its Prometheus metrics; `cpus` binds its vLLM worker's threads (pipeline/engine/cpus.py)."""
     port = port or free_port()
     engine_id = engine_id or f"{pool}-{port}"
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -182,7 +208,9 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
         command += ["--advertise-url", f"http://{advertise_host}:{port}"]
     if metrics_port is not None:
         command += ["--metrics-port", str(metrics_port)]
+    if cpus != "auto":
+        command += ["--cpus", cpus]
     with open(log_path, "ab") as log:  # an engine started again keeps the log of its previous life
         process = popen_niced(command, nice, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env,
                               start_new_session=True)
-    return EngineProcess(pool, engine_id, f"http://127.0.0.1:{port}", process, log_path, metrics_port)
+    return EngineProcess(pool, engine_id, f"http://127.0.0.1:{port}", process, log_path, metrics_port, cpus)

@@ -17,15 +17,16 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import httpx
 from minio import Minio
 from minio.error import S3Error
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, SecretStr
 
 from env_workers.engine_client import auth_headers
 from learner.manifest import ShardIntegrityError
+from pipeline.engine.cpus import AUTO, valid_binding
 from pipeline.engine.health import wait_until_serving
 from pipeline.engine.heartbeat import PROMETHEUS, Heartbeat
 from pipeline.engine.launch import popen_tied, set_session_niceness
@@ -59,6 +60,10 @@ class EngineSettings(BaseModel):
     """An engine busy with one weight update or group join longer than this is reported unhealthy until it
     ends (not in the paper): it answers probes but serves nothing, e.g. a broadcast whose learner is gone."""
     kv_cache_space_gib: int = 1
+    cpus: Annotated[str, AfterValidator(valid_binding)] = AUTO
+    """Cores the vLLM worker's threads are bound to (VLLM_CPU_OMP_THREADS_BIND; CPU engines only): auto (vLLM's
+    choice: every core but one, the same for every engine on the host), nobind, or a list such as 0-3,6
+    (`rollstream up` gives each engine of a host its own: pipeline/engine/cpus.py)."""
     """vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's CPU default share of memory refuses to start on small hosts."""
     start_timeout_s: float = 600.0
     """How long the server may take to become healthy (about 40-55 s on 2 CPU cores)."""
@@ -174,6 +179,8 @@ def server_environment(inherited: Mapping[str, str], settings: EngineSettings, j
     if api_key is not None and api_key.get_secret_value():
         env[API_KEY_ENV] = api_key.get_secret_value()
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
+    if settings.cpus != AUTO:  # an explicit binding wins over an inherited one; auto leaves the environment's
+        env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpus
     return env
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import PositiveInt, BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
@@ -75,6 +75,10 @@ class EngineFleetSettings(BaseModel):
     """Address engines serve on; 0.0.0.0 lets env workers on other hosts (containers) reach them."""
     advertise_host: str | None = None
     """Host name engines give in their heartbeats, where env workers elsewhere find them (docker-compose: trainer)."""
+    cpu_binding: Literal["spread", "auto"] = "spread"
+    """How the engines of a run bind vLLM's CPU worker threads (CPU engines only; not in the paper, whose engines
+    have GPUs): spread gives the engines disjoint sets of this host's cores (pipeline/engine/cpus.py), auto leaves
+    it to each vLLM, which binds every engine of the host to the same cores."""
     nice: int = Field(0, ge=0, le=19)
     """Scheduling niceness of the engine processes (0: the same as the rest of the run; no paper default, its
     engines have GPUs of their own). Where engines share the CPU cores with the learner, the learner is the

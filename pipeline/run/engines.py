@@ -10,6 +10,7 @@ from pathlib import Path
 
 import psutil
 
+from pipeline.engine.cpus import AUTO, engine_cpu_sets
 from pipeline.engine.launch import EngineProcess, free_port, launch_engine
 from pipeline.run.config import REPO_ROOT, RollstreamConfig
 from pipeline.run.plan import engine_args
@@ -19,22 +20,25 @@ from streams.routing import stale_schedule
 
 def launch_run_engine(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path, pool: str, engine_id: str,
                       port: int | None = None, extra_args: tuple[str, ...] = (),
-                      metrics_port: int | None = None) -> EngineProcess:
+                      metrics_port: int | None = None, cpus: str = AUTO) -> EngineProcess:
     """One engine of the run, launched as the run's configuration says (not yet serving); its supervisor
-    serves Prometheus metrics on `metrics_port` (default: a free port)."""
+    serves Prometheus metrics on `metrics_port` (default: a free port), its vLLM worker binds to `cpus`."""
     return launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines", port=port,
                          engine_id=engine_id, extra_args=engine_args(cfg) + extra_args, cwd=REPO_ROOT,
                          bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host,
-                         nice=cfg.engines.nice, metrics_port=metrics_port or free_port())
+                         nice=cfg.engines.nice, metrics_port=metrics_port or free_port(), cpus=cpus)
 
 
 def start_engines(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
                   pools: dict[str, int], say: Callable[[str], None], into: list[EngineProcess]) -> None:
     """Launches the engines into `into` (first, so that whoever stops the run stops them even when
-    it is interrupted while they load), then waits until each one serves."""
-    for pool, count in pools.items():
-        for i in range(count):
-            into.append(launch_run_engine(cfg, run, run_dir, model_dir, pool, f"{run}.{pool}-{i}"))
+    it is interrupted while they load), then waits until each one serves. With `engines.cpu_binding` spread,
+    each gets cores of its own (all of them run on this host)."""
+    names = [(pool, f"{run}.{pool}-{i}") for pool, count in pools.items() for i in range(count)]
+    bindings = (engine_cpu_sets(sorted(os.sched_getaffinity(0)), len(names)) if cfg.engines.cpu_binding == "spread"
+                else [AUTO] * len(names))
+    for (pool, engine_id), cpus in zip(names, bindings):
+        into.append(launch_run_engine(cfg, run, run_dir, model_dir, pool, engine_id, cpus=cpus))
     for e in into:
         try:
             seconds = e.wait_until_serving(cfg.engines.start_timeout_s)
@@ -105,4 +109,4 @@ class EngineRestarter:
         port = int(dead.url.rsplit(":", 1)[1])
         stop_listener(port)
         return launch_run_engine(self.cfg, self.run, self.run_dir, model_dir, dead.pool, dead.engine_id, port, extra,
-                                 dead.metrics_port)
+                                 dead.metrics_port, dead.cpus)

@@ -1,5 +1,5 @@
 """The processes of one run: started in their own sessions with their logs, restarted within a
-budget when they die on their own, and stopped in the reverse of their start order."""
+budget when they die on their own, and stopped in waves in the reverse of their start order."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pipeline.engine.launch import EngineProcess, stop_process_group
+from pipeline.engine.launch import EngineProcess, stop_process_groups
 from pipeline.run.config import REPO_ROOT, write_private
 from pipeline.run.plan import Child
 
@@ -72,11 +72,22 @@ class RunningChild:
     def log_tail(self, chars: int = 2500) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""
 
-    def stop(self, timeout_s: float) -> int | None:
-        """SIGTERM to its process group, SIGKILL after timeout_s; its exit status."""
-        code = stop_process_group(self.process, timeout_s)
-        self.log.close()
-        return code
+    @property
+    def stop_timeout_s(self) -> float:
+        """How long it may take to stop before it is killed: env workers drain their in-flight rollouts,
+        the rest stop within seconds."""
+        return 150.0 if self.child.name.startswith("env-worker") else 60.0
+
+
+def stop_waves(names: list[str]) -> list[list[str]]:
+    """The order a run's children stop in, from their start order: the dispatcher first (nothing new goes
+    out), then together whatever consumes what it sent (env workers draining their rollouts, the learner),
+    then the streams worker that fed them; each wave in the reverse of the start order, empty waves left out."""
+    newest_first = list(reversed(names))
+    first = [n for n in newest_first if n == "dispatcher"]
+    last = [n for n in newest_first if n == "streams"]
+    middle = [n for n in newest_first if n not in first and n not in last]
+    return [wave for wave in (first, middle, last) if wave]
 
 
 class Stack:
@@ -126,12 +137,15 @@ class Stack:
         return next((c for c in self.children if c.process.poll() is not None), None)
 
     def stop(self, say: Callable[[str], None]) -> dict[str, int | None]:
-        codes = {}
-        for c in reversed(self.children):
-            # env workers drain their in-flight rollouts; the rest stop within seconds
-            codes[c.child.name] = c.stop(timeout_s=150 if c.child.name.startswith("env-worker") else 60)
-        for e in self.engines:
-            e.stop()
-            codes[e.engine_id] = e.process.returncode
+        """Stops the children in their waves (`stop_waves`), then every engine at once; their exit codes by name."""
+        codes: dict[str, int | None] = {}
+        by_name = {c.child.name: c for c in self.children}
+        for wave in stop_waves([c.child.name for c in self.children]):
+            stopping = [by_name[name] for name in wave]
+            for c, code in zip(stopping, stop_process_groups([(c.process, c.stop_timeout_s) for c in stopping])):
+                c.log.close()
+                codes[c.child.name] = code
+        for e, code in zip(self.engines, stop_process_groups([(e.process, 60.0) for e in self.engines])):
+            codes[e.engine_id] = code
         say("stopped: " + ", ".join(f"{n} ({'ok' if rc in (0, -15) else rc})" for n, rc in codes.items()))
         return codes

@@ -11,7 +11,7 @@ import pytest
 from pipeline.engine.launch import EngineProcess
 from pipeline.run.interrupts import Interrupted, catch_interrupts
 from pipeline.run.plan import Child, with_metrics_port
-from pipeline.run.supervision import RestartBudget, RunFailed, Stack, last_words
+from pipeline.run.supervision import RestartBudget, RunFailed, Stack, last_words, stop_waves
 
 
 def _wait_exit(stack: Stack) -> None:
@@ -101,3 +101,30 @@ def test_a_second_signal_during_the_shutdown_is_ignored_instead_of_interrupting_
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+def test_the_dispatcher_stops_first_the_streams_worker_last_and_the_rest_together_between():
+    started = ["streams", "env-worker-0", "env-worker-1", "learner", "dispatcher"]
+    assert stop_waves(started) == [["dispatcher"], ["learner", "env-worker-1", "env-worker-0"], ["streams"]]
+    assert stop_waves(["streams", "learner"]) == [["learner"], ["streams"]]
+    assert stop_waves([]) == []
+
+
+def test_a_wave_stops_together_in_the_time_of_its_slowest_child_and_the_order_of_waves_holds(tmp_path):
+    said: list[str] = []
+    stack = Stack(tmp_path)
+    order = tmp_path / "order"
+    # Each child takes 2 s to stop after SIGTERM and writes its name when it is done.
+    linger = 'trap "sleep 2; echo $0 >> {order}; exit 0" TERM; while :; do sleep 0.1; done'.format(order=order)
+    for name in ("streams", "env-worker-0", "env-worker-1", "learner", "dispatcher"):
+        stack.start(Child(name, ("sh", "-c", linger, name)))
+    time.sleep(0.5)  # every trap is set
+    began = time.monotonic()
+    codes = stack.stop(said.append)
+    took = time.monotonic() - began
+    assert codes == {"dispatcher": 0, "learner": 0, "env-worker-1": 0, "env-worker-0": 0, "streams": 0}
+    lines = order.read_text().split()
+    assert lines[0] == "dispatcher" and lines[-1] == "streams"
+    assert sorted(lines[1:4]) == ["env-worker-0", "env-worker-1", "learner"]
+    assert 6 <= took < 9, took  # three waves of 2 s each, not five children one after another (10 s)
+    assert said == ["stopped: dispatcher (ok), learner (ok), env-worker-1 (ok), env-worker-0 (ok), streams (ok)"]
