@@ -204,9 +204,20 @@ def token_problems(t: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def own_attempt(t: Mapping[str, Any], steps: Mapping[int, list[Mapping[str, Any]]]) -> dict[int, list[Mapping[str, Any]]]:
+    """The steps events of the attempt that produced trajectory event `t`: those that started within its
+    [started_at_ms, finished_at_ms] (one worker's clock stamps both). An attempt cut short by a crash or a
+    rebalance published steps but no trajectory; the task's re-rollout, on newer weights, may end in fewer
+    turns, and the abandoned attempt's later turns are none of its own."""
+    lo, hi = t["started_at_ms"], t["finished_at_ms"]
+    own = {turn: [s for s in candidates if lo <= s["started_at_ms"] <= hi] for turn, candidates in steps.items()}
+    return {turn: candidates for turn, candidates in own.items() if candidates}
+
+
 def _step_problems(t: Mapping[str, Any], steps: Mapping[int, list[Mapping[str, Any]]]) -> list[str]:
-    """The trajectory's turns against its steps events: each turn's generated ids and log-probs are
-    its step's output, in turn order. A turn may have several steps (redeliveries); one must match."""
+    """The trajectory's turns against the steps events of its own attempt (`own_attempt`): each turn's
+    generated ids and log-probs are its step's output, in turn order. A turn may have several steps
+    (redeliveries); one must match."""
     ids, lp = unpack_ids(t["input_ids"]), unpack_logprobs(t["rollout_logprobs"])
     problems = []
     for turn in t["turns"]:
@@ -223,6 +234,16 @@ def _step_problems(t: Mapping[str, Any], steps: Mapping[int, list[Mapping[str, A
     if extra:
         problems.append(f"steps events for turns {extra} that the trajectory does not have")
     return problems
+
+
+def abandoned_steps(trajectories: list[Mapping[str, Any]], steps: list[Mapping[str, Any]]) -> int:
+    """Steps events of a trajectory id that started within none of its trajectory events' attempts: the
+    turns of attempts that never finished (a killed worker, a rebalance), re-rolled since."""
+    windows: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for t in trajectories:
+        windows[t["trajectory_id"]].append((t["started_at_ms"], t["finished_at_ms"]))
+    return sum(1 for s in steps if s["trajectory_id"] in windows
+               and not any(lo <= s["started_at_ms"] <= hi for lo, hi in windows[s["trajectory_id"]]))
 
 
 def _check_trajectories(trajectories: list[Mapping[str, Any]], steps: list[Mapping[str, Any]],
@@ -252,7 +273,7 @@ def _check_trajectories(trajectories: list[Mapping[str, Any]], steps: list[Mappi
             tito.fail(p, trajectory_id=tid, group_id=t["group_id"], member=t["member"])
         if tid in by_turn and not problems:
             matched.checked += 1
-            for p in _step_problems(t, by_turn[tid]):
+            for p in _step_problems(t, own_attempt(t, by_turn[tid])):
                 matched.fail(p, trajectory_id=tid, group_id=t["group_id"], member=t["member"])
     # A re-rollout (after a crash, a rebalance) that ran on newer weights may differ: the group keeps
     # the first event (checked by group_members_match_trajectories), so training reads one content.
@@ -263,6 +284,8 @@ def _check_trajectories(trajectories: list[Mapping[str, Any]], steps: list[Mappi
     rerolled = sum(1 for by_versions in first_on.values() if len(by_versions) > 1)
     if rerolled:
         not_checked["rerolled_on_newer_weights"] = rerolled
+    if abandoned := abandoned_steps(trajectories, steps):
+        not_checked["steps_of_abandoned_attempts"] = abandoned
     return [unique, tito, matched]
 
 

@@ -474,3 +474,29 @@ def test_unreadable_bound_is_one_line_and_exit_2(tmp_path):
 def test_help_shows_an_example(args, example):
     result = CliRunner().invoke(app, args, terminal_width=200)
     assert result.exit_code == 0 and example in result.stdout
+
+
+def test_steps_of_an_attempt_cut_short_are_not_read_as_turns_the_re_rollout_lacks(run):
+    """A worker killed after turn 2 of a three-turn attempt; the re-rollout on newer weights ended after
+    two turns. The abandoned attempt's steps started before the trajectory's own attempt began."""
+    t = next(r.value for r in run[topics.TRAJECTORIES] if len(r.value["turns"]) >= 2)
+    tid = t["trajectory_id"]
+    earlier = t["started_at_ms"] - 60_000
+    for turn in range(len(t["turns"]) + 1):  # one turn more than the trajectory has
+        step = copy.deepcopy(value(run, topics.STEPS, 0))
+        step.update(trajectory_id=tid, turn=turn, started_at_ms=earlier + turn, weight_version=0)
+        run[topics.STEPS].append(ReplayRecord(topics.STEPS, 0, 10_000 + turn, 0, tid.encode(), step))
+    report = verify(run, VerifySettings(), run=RUN)
+    assert failing(run) == {}
+    assert report.not_checked["steps_of_abandoned_attempts"] == len(t["turns"]) + 1
+
+
+def test_a_step_of_the_trajectory_s_own_attempt_for_a_turn_it_lacks_is_still_reported(run):
+    t = next(r.value for r in run[topics.TRAJECTORIES] if len(r.value["turns"]) >= 2)
+    step = copy.deepcopy(value(run, topics.STEPS, 0))
+    step.update(trajectory_id=t["trajectory_id"], turn=len(t["turns"]), started_at_ms=t["finished_at_ms"] - 1)
+    run[topics.STEPS].append(ReplayRecord(topics.STEPS, 0, 10_000, 0, t["trajectory_id"].encode(), step))
+    found = failing(run)
+    assert set(found) == {"steps_match_trajectories"}
+    assert found["steps_match_trajectories"][0].detail == \
+        f"steps events for turns [{len(t['turns'])}] that the trajectory does not have"
