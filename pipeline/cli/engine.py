@@ -40,6 +40,9 @@ def engine(
     stall_after_s: float = typer.Option(EngineSettings().stall_after_s, "--stall-after-s",
                                         help="Busy with one update or join longer than this: reported unhealthy."),
     work_dir: Path = typer.Option(Path(".run/engines"), "--work-dir", help="Where staged versions are downloaded."),
+    hold_weights: bool = typer.Option(EngineSettings().hold_weights, "--hold-weights/--no-hold-weights",
+                                      help="Keep the served version's tensors in host memory (one more copy of the "
+                                           "weights) and apply delta versions there instead of rebuilding them on disk."),
     metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
                                             help="Serve the supervisor's Prometheus metrics on this port, 0 any free "
                                                  "one (default none); vLLM's own are at the engine's /metrics."),
@@ -60,7 +63,8 @@ def engine(
     try:
         settings = EngineSettings(pool=pool.value, stale_step=stale_step, max_model_len=max_model_len,
                                   heartbeat_interval_s=heartbeat_s, stall_after_s=stall_after_s,
-                                  metrics_port=metrics_port, metrics_host=metrics_host, cpus=cpus)
+                                  metrics_port=metrics_port, metrics_host=metrics_host, cpus=cpus,
+                                  hold_weights=hold_weights)
     except ValidationError as error:
         fail(validation_message(error))
     job = EngineJob(model=model, run=run or cfg.run, engine_id=engine_id or f"{pool.value}-{port}", host=host,

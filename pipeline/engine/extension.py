@@ -14,25 +14,54 @@ output differed from torch's). `_retie_embeddings` makes sure the two share one 
 redoes lm_head's kernel-format processing after every load. The learner publishes a tied tensor
 once, as model.embed_tokens.weight (learner/publish.py), so every update reaches lm_head only
 through this re-tie.
+
+Held weights (pipeline/engine/updates.py, "In-memory path"): after loading a version directory the
+worker keeps its tensors, verified, in host memory, one more copy of the weights per worker (off
+with `EngineSettings.hold_weights`). A delta version is then applied on them here and loaded, without
+rebuilding it on disk. A broadcast-loaded version is not held (it would cost a device-to-host copy on
+every update of the fast path); the next staged delta on such an engine is rebuilt by the supervisor.
+Every tensor is loaded, not only the changed ones: at RL learning rates Adam moves a few weights of
+nearly every tensor, and vLLM's fused layers (qkv, gate_up) are reprocessed as a whole anyway.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from learner.broadcast import receive_buckets
+from learner.delta import apply_delta
 from learner.manifest import read_version
-from pipeline.engine.updates import weight_sync_group
+from pipeline.engine.updates import read_delta_link, weight_sync_group
 from schemas.weight_layout import TensorSpec, plan_buckets
+
+
+# Set to "0" by the supervisor when the engine must not keep a host copy of its weights (EngineSettings.hold_weights).
+HOLD_WEIGHTS_ENV = "ROLLSTREAM_ENGINE_HOLD_WEIGHTS"
+
+
+@dataclass(frozen=True)
+class HeldWeights:
+    """The version the worker serves, as the verified tensors it was loaded from, with their sha256."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    checksums: dict[str, str]
 
 
 class WeightUpdateExtension:
     """Mixed into vLLM's worker: `self` is the worker (it has reload_weights and model_runner)."""
+
+    _rollstream_held: HeldWeights | None = None
+
+    def _hold(self, held: HeldWeights | None) -> None:
+        self._rollstream_held = held if os.environ.get(HOLD_WEIGHTS_ENV, "1") != "0" else None
 
     def _weights_device(self) -> torch.device:
         return next(self.model_runner.model.parameters()).device  # type: ignore[attr-defined]
@@ -77,6 +106,7 @@ class WeightUpdateExtension:
             # the sender blocked on a bucket nobody receives (costs one copy of the weights).
             tensors = list(receive_buckets(buckets, src=src, device=self._weights_device(), group=group))
             received = time.perf_counter()
+            self._hold(None)  # from here the served weights are no longer the held ones
             self._reload(tensors)
         except Exception as error:  # noqa: BLE001
             return {"ok": False, "error": f"broadcast update failed: {error!r}"}
@@ -91,9 +121,46 @@ class WeightUpdateExtension:
         except Exception as error:  # noqa: BLE001 - nothing was loaded: the old version stays
             return {"ok": False, "error": f"version at {path} refused: {error}"}
         read = time.perf_counter()
+        self._hold(None)
         try:
             self._reload(tensors.items())
         except Exception as error:  # noqa: BLE001
             return {"ok": False, "error": f"loading {path} failed: {error!r}"}
+        # read_version checked every shard against the manifest, so its tensor sha256s are the tensors'.
+        self._hold(HeldWeights(manifest.version, tensors,
+                               {t.name: t.sha256 for t in manifest.tensors if t.sha256 is not None}))
         return {"ok": True, "version": manifest.version, "tensors": len(tensors), "read_s": read - started,
                 "load_s": time.perf_counter() - read}
+
+    def rollstream_apply_deltas(self, paths: list[str]) -> dict[str, Any]:
+        """Applies delta links (directories of updates.write_delta_link, oldest first) on the held
+        version, every result tensor's sha256 checked, then loads the result. Refused, with nothing
+        loaded, when the worker holds no version or not the first link's base."""
+        started = time.perf_counter()
+        held = self._rollstream_held
+        try:
+            links = [read_delta_link(Path(p)) for p in paths]
+            if not links:
+                raise ValueError("no delta to apply")
+            if held is None:
+                raise ValueError("this worker holds no weights to apply a delta on (loaded by broadcast, or at start-up)")
+            if links[0][0].base_version != held.version:
+                raise ValueError(f"the first delta is on version {links[0][0].base_version}, this worker holds "
+                                 f"version {held.version}")
+            tensors, checksums, version = held.tensors, held.checksums, held.version
+            for manifest, shards in links:
+                if manifest.base_version != version:
+                    raise ValueError(f"delta {manifest.version} is on version {manifest.base_version}, not {version}")
+                tensors, checksums = apply_delta(tensors, manifest, shards, base_checksums=checksums)
+                version = manifest.version
+        except Exception as error:  # noqa: BLE001 - nothing was loaded: the old version stays
+            return {"ok": False, "error": f"delta refused: {error}", "held_version": held.version if held else None}
+        applied = time.perf_counter()
+        self._hold(None)
+        try:
+            self._reload(tensors.items())
+        except Exception as error:  # noqa: BLE001
+            return {"ok": False, "error": f"loading version {version} failed: {error!r}", "held_version": None}
+        self._hold(HeldWeights(version, tensors, checksums))
+        return {"ok": True, "version": version, "deltas": len(links), "tensors": len(tensors),
+                "apply_s": applied - started, "load_s": time.perf_counter() - applied}

@@ -8,9 +8,9 @@ distribution actually sampled from, which the learner's PPO ratio needs) and our
 the API server process, where it reaches the engine through `app.state.engine_client`. It
 
 - stamps every response with `x-rollstream-weight-version`;
-- serves `/rollstream/state`, `/rollstream/load`, `/rollstream/join`, `/rollstream/receive`; when the
-  server has an API key (`VLLM_API_KEY`, as `rollstream engine` gives it), the three that change the
-  weights answer 401 to a request without `Authorization: Bearer KEY`, as vLLM's /v1 routes do;
+- serves `/rollstream/state`, `/rollstream/load`, `/rollstream/apply` (delta links on the held
+  weights), `/rollstream/join`, `/rollstream/receive`; when the server has an API key (`VLLM_API_KEY`,
+  as `rollstream engine` gives it), the four that change the weights answer 401 to a request without `Authorization: Bearer KEY`, as vLLM's /v1 routes do;
 - makes updates exact (see pipeline/engine/__init__.py): an update closes a gate in front of
   the other routes, waits until no request is in flight, loads, resets the prefix cache, sets
   the version, and reopens the gate. So the version cannot change while a request is inside,
@@ -173,7 +173,7 @@ class WeightVersionMiddleware:
         if route == "state":
             await _respond(send, 200, state.snapshot(), state.version)
             return
-        if scope["method"] != "POST" or route not in ("load", "join", "receive"):
+        if scope["method"] != "POST" or route not in ("load", "apply", "join", "receive"):
             await _respond(send, 404, {"error": f"no control route {scope['method']} {scope['path']}"}, state.version)
             return
         # Whoever may load weights decides what the policy is: the same key as the OpenAI routes.
@@ -200,6 +200,8 @@ class WeightVersionMiddleware:
             return
         if route == "load":
             method, kwargs = "rollstream_load_dir", {"path": body["path"]}
+        elif route == "apply":
+            method, kwargs = "rollstream_apply_deltas", {"paths": list(body["paths"])}
         else:
             method, kwargs = "rollstream_receive", {k: body[k] for k in ("specs", "bucket_size_bytes", "src")}
         result = await self._update(engine, state, int(body["version"]), method, kwargs)
@@ -221,7 +223,7 @@ class WeightVersionMiddleware:
             try:
                 await state.idle.wait()  # the requests in flight finish on the old weights
                 drained = time.perf_counter()
-                state.set_busy("load" if method == "rollstream_load_dir" else "receive")
+                state.set_busy("receive" if method == "rollstream_receive" else "load")
                 result = (await engine.collective_rpc(method, kwargs=kwargs))[0]
                 if result.get("ok"):
                     # Cached prefixes hold KV computed by the old weights.

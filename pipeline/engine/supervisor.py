@@ -31,11 +31,15 @@ from pipeline.engine.health import wait_until_serving
 from pipeline.engine.heartbeat import PROMETHEUS, Heartbeat
 from pipeline.engine.launch import popen_tied, set_session_niceness
 from pipeline.engine.server import API_KEY_ENV, INITIAL_VERSION_ENV, vllm_command
-from pipeline.engine.updates import EngineControl, UpdateRefused, download_version, newest_to_load
+from pipeline.engine.extension import HOLD_WEIGHTS_ENV
+from pipeline.engine.updates import EngineControl, UpdateRefused, download_links, download_version, newest_to_load
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
 from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
 from schemas.prometheus import MetricsHost, MetricsPort, reachable_host, serve_metrics
+
+# What refuses one version (the engine keeps serving the one it had), whichever path loads it.
+REFUSALS = (ShardIntegrityError, UpdateRefused, S3Error, httpx.HTTPError, ValueError)
 
 # How long a stopping engine waits for its last heartbeat to be acknowledged (the broker may be gone).
 STOP_FLUSH_S = 10.0
@@ -59,6 +63,10 @@ class EngineSettings(BaseModel):
     stall_after_s: float = Field(300.0, gt=0)
     """An engine busy with one weight update or group join longer than this is reported unhealthy until it
     ends (not in the paper): it answers probes but serves nothing, e.g. a broadcast whose learner is gone."""
+    hold_weights: bool = True
+    """The engine's worker keeps the verified tensors of the version it loaded from MinIO in host memory (one
+    more copy of the weights per worker), so a delta version is applied there and loaded without being rebuilt
+    on disk (not in the paper; pipeline/engine/updates.py). False rebuilds every delta version on disk."""
     kv_cache_space_gib: int = 1
     cpus: Annotated[str, AfterValidator(valid_binding)] = AUTO
     """Cores the vLLM worker's threads are bound to (VLLM_CPU_OMP_THREADS_BIND; CPU engines only): auto (vLLM's
@@ -83,10 +91,11 @@ class WeightFollower:
     """Follows `weights` for one run and loads, from MinIO, the versions this engine should serve."""
 
     def __init__(self, consumer: EventConsumer, mc: Minio, control: EngineControl, *, pool: str, run: str,
-                 stale_step: int, download_root: Path) -> None:
+                 stale_step: int, download_root: Path, in_memory: bool = True) -> None:
         self._consumer, self._mc, self._control = consumer, mc, control
         self._pool, self._run, self._stale_step = pool, run, stale_step
         self._download_root = download_root
+        self._in_memory = in_memory  # EngineSettings.hold_weights: the worker can apply deltas itself
         self.last_error = ""
 
     def poll_once(self, timeout_s: float) -> None:
@@ -100,21 +109,24 @@ class WeightFollower:
         if not events:
             return
         announced = {e.value["version"]: e.value for e in events if e.value["run"] == self._run}
-        target = newest_to_load(self._pool, list(announced), self._control.state()["version"], self._stale_step)
+        served = self._control.state()["version"]
+        target = newest_to_load(self._pool, list(announced), served, self._stale_step)
         if target is not None:
-            self._load(announced[target])
+            self._load(announced[target], served)
         # Committed even after a refused version: the learner announces it only once, and the
         # next version supersedes it; the refusal stays visible in the heartbeats' detail.
         self._consumer.commit(events)
 
-    def _load(self, event: dict) -> None:
+    def _load(self, event: dict, served: int) -> None:
+        if self._in_memory and self._apply_deltas(event, served):
+            return
         directory = self._download_root / f"v{event['version']:06d}"
         started = time.perf_counter()
         try:
             download_version(self._mc, event, directory)
             downloaded = time.perf_counter()
             result = self._control.load(event["version"], directory)
-        except (ShardIntegrityError, UpdateRefused, S3Error, httpx.HTTPError, ValueError) as error:
+        except REFUSALS as error:
             self.last_error = f"version {event['version']} refused: {error}"
             _log(self.last_error)
             shutil.rmtree(directory, ignore_errors=True)
@@ -122,8 +134,33 @@ class WeightFollower:
         self.last_error = ""
         _log(f"loaded version {event['version']} from MinIO: download {downloaded - started:.2f} s, "
              f"drain {result['drain_s']:.2f} s, load {result['update_s'] - result['drain_s']:.2f} s")
+        self._remove_downloads(keep=directory)
+
+    def _apply_deltas(self, event: dict, served: int) -> bool:
+        """The in-memory path (pipeline/engine/updates.py): True when the engine now serves the event's
+        version; False when the full path must decide (not a delta on the served version, or refused)."""
+        started = time.perf_counter()
+        try:
+            links = download_links(self._mc, event, served, self._download_root)
+            if links is None:
+                return False
+            downloaded = time.perf_counter()
+            result = self._control.apply_deltas(event["version"], links)
+        except REFUSALS as error:
+            # The full path fetches (and checks) everything again, so a corrupted delta is refused there too.
+            _log(f"version {event['version']} not applied in memory ({error}); rebuilding it from the store")
+            self._remove_downloads()
+            return False
+        self.last_error = ""
+        _log(f"loaded version {event['version']} from MinIO in memory ({len(links)} delta(s) on version {served}): "
+             f"download {downloaded - started:.2f} s, drain {result['drain_s']:.2f} s, apply {result['apply_s']:.2f} s, "
+             f"load {result['load_s']:.2f} s")
+        self._remove_downloads()
+        return True
+
+    def _remove_downloads(self, keep: Path | None = None) -> None:
         for old in self._download_root.glob("v*"):
-            if old != directory:
+            if old != keep:
                 shutil.rmtree(old, ignore_errors=True)
 
 
@@ -181,6 +218,7 @@ def server_environment(inherited: Mapping[str, str], settings: EngineSettings, j
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(settings.kv_cache_space_gib))
     if settings.cpus != AUTO:  # an explicit binding wins over an inherited one; auto leaves the environment's
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpus
+    env[HOLD_WEIGHTS_ENV] = "1" if settings.hold_weights else "0"
     return env
 
 
@@ -219,7 +257,8 @@ def _supervise(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob, 
         consumer = EventConsumer(cfg.kafka, f"rollstream-engine-{job.engine_id}", [topics.WEIGHTS],
                                  client_id=f"engine-{job.engine_id}", dlq=producer)
         follower = WeightFollower(consumer, mc, EngineControl(url, api_key=cfg.agent_loop.engine_api_key), pool=settings.pool, run=job.run,
-                                  stale_step=settings.stale_step, download_root=job.work_dir / job.engine_id)
+                                  stale_step=settings.stale_step, download_root=job.work_dir / job.engine_id,
+                                  in_memory=settings.hold_weights)
         heartbeat = Heartbeat(producer, engine_id=job.engine_id, run=job.run, pool=settings.pool,
                               url=job.advertise_url or url, model=job.served_name or str(job.model),
                               interval_s=settings.heartbeat_interval_s, probe_timeout_s=settings.probe_timeout_s,

@@ -17,6 +17,14 @@ in order. Each result tensor must have the sha256 its manifest names, or the ver
 had; a local base that fails its checks is dropped for the snapshot path first. The rebuilt
 version is written as a full version directory, which the worker loads as any other.
 
+In-memory path (the default, `EngineSettings.hold_weights`): the engine's worker keeps the tensors of
+the version it serves from MinIO (pipeline/engine/extension.py). When the new version's chain holds
+the served version, `download_links` fetches only the deltas after it, checks their shards and
+writes each as a small `vNNNNNN.delta` directory; the worker applies them on the tensors it holds,
+checks every result tensor's sha256 and loads the result. Nothing of the size of the model is read,
+written or sent between processes. Any refusal there (the worker holds another version, or nothing)
+falls back to the rebuild above.
+
 Fast path: the learner is rank 0 of a dedicated group, each engine worker one more rank.
 vLLM owns the default torch.distributed group inside its workers (and torchrun owns it in the
 learner), so the weight-sync group is a *stateless* group (vLLM's
@@ -56,6 +64,8 @@ from schemas.weight_layout import MANIFEST_FILE, TensorSpec, WeightManifest
 
 # Shard size of a version directory rebuilt from a delta chain (local disk only: one shard is fine).
 REBUILT_SHARD_BYTES = 4 * 1024**3
+# A downloaded delta link's directory: vNNNNNN.delta beside the full version directories.
+DELTA_DIR_SUFFIX = ".delta"
 
 
 def should_load(pool: str, version: int, loaded_version: int, stale_step: int) -> bool:
@@ -74,12 +84,8 @@ def newest_to_load(pool: str, versions: Sequence[int], loaded_version: int, stal
     return max(wanted) if wanted else None
 
 
-def download_version(mc: Minio, event: dict[str, Any], directory: Path) -> WeightManifest:
-    """Downloads the version of a `weight_version` event into `directory`, verifying every shard
-    against the manifest before writing it; the manifest is written last (a directory with a
-    manifest is complete). A delta version is rebuilt on its chain first (module docstring), from
-    the newest version directory beside `directory` that is in its chain, if any. Raises
-    ShardIntegrityError on any mismatch."""
+def _event_manifest(mc: Minio, event: dict[str, Any]) -> tuple[str, str, WeightManifest]:
+    """(bucket, manifest key, manifest) of a `weight_version` event, the manifest checked against the event."""
     bucket, manifest_key = objectstore.parse_uri(event["manifest_uri"])
     manifest = WeightManifest.from_json(objectstore.get_bytes(mc, bucket, manifest_key))
     if manifest.version != event["version"]:
@@ -89,6 +95,16 @@ def download_version(mc: Minio, event: dict[str, Any], directory: Path) -> Weigh
     for entry in manifest.shards:
         if entry.file in announced and announced[entry.file] != entry.sha256:
             raise ShardIntegrityError(f"shard {entry.file}: the event's sha256 differs from the manifest's")
+    return bucket, manifest_key, manifest
+
+
+def download_version(mc: Minio, event: dict[str, Any], directory: Path) -> WeightManifest:
+    """Downloads the version of a `weight_version` event into `directory`, verifying every shard
+    against the manifest before writing it; the manifest is written last (a directory with a
+    manifest is complete). A delta version is rebuilt on its chain first (module docstring), from
+    the newest version directory beside `directory` that is in its chain, if any. Raises
+    ShardIntegrityError on any mismatch."""
+    bucket, manifest_key, manifest = _event_manifest(mc, event)
     if manifest.kind == "delta":
         tensors, checksums = rebuild_version(mc, bucket, _run_prefix(manifest_key), manifest,
                                              held_versions(directory.parent, exclude=directory))
@@ -104,6 +120,51 @@ def download_version(mc: Minio, event: dict[str, Any], directory: Path) -> Weigh
     return manifest
 
 
+def download_links(mc: Minio, event: dict[str, Any], served_version: int, root: Path) -> list[Path] | None:
+    """The deltas that take an engine serving `served_version` to the event's version, each
+    downloaded with its shards checked into `root`/vNNNNNN.delta (manifest last), oldest first; None
+    when the event's version is not a delta on a chain that holds `served_version` (the engine then
+    needs `download_version`). Raises ShardIntegrityError on any mismatch."""
+    bucket, manifest_key, manifest = _event_manifest(mc, event)
+    if manifest.kind != "delta" or served_version not in manifest.chain[:-1]:
+        return None
+    run_prefix = _run_prefix(manifest_key)
+    directories = []
+    for version in catch_up_plan(manifest.chain, served_version)[1]:
+        if version == manifest.version:
+            link, prefix = manifest, manifest_key.rsplit("/", 1)[0] + "/"
+        else:
+            link, prefix = _fetch_manifest(mc, bucket, run_prefix, version)
+        if link.kind != "delta" or link.base_version != version - 1:
+            raise ShardIntegrityError(f"version {version} of chain {manifest.chain} is not a delta on version {version - 1}")
+        directory = root / f"v{version:06d}{DELTA_DIR_SUFFIX}"
+        write_delta_link(directory, link, _fetch_shards(mc, bucket, prefix, link))
+        directories.append(directory)
+    return directories
+
+
+def write_delta_link(directory: Path, manifest: WeightManifest, shards: dict[str, bytes]) -> None:
+    """One delta version as a directory: its shards, then its manifest (a directory with a manifest is complete)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for file, data in shards.items():
+        (directory / file).write_bytes(data)
+    (directory / MANIFEST_FILE).write_bytes(manifest.to_json())
+
+
+def read_delta_link(directory: Path) -> tuple[WeightManifest, dict[str, bytes]]:
+    """A directory of `write_delta_link`: (manifest, {shard file: bytes}); `apply_delta` checks the shards."""
+    manifest = WeightManifest.from_json((directory / MANIFEST_FILE).read_bytes())
+    if manifest.kind != "delta":
+        raise ShardIntegrityError(f"{directory} holds a {manifest.kind} version, not a delta")
+    shards = {}
+    for entry in manifest.shards:
+        try:
+            shards[entry.file] = (directory / entry.file).read_bytes()
+        except OSError as error:
+            raise ShardIntegrityError(f"delta shard {entry.file} of version {manifest.version}: {error}") from None
+    return manifest, shards
+
+
 def _run_prefix(manifest_key: str) -> str:
     """<run>/v000005/manifest.json -> <run>/"""
     parts = manifest_key.rsplit("/", 2)
@@ -117,9 +178,11 @@ def held_versions(root: Path, *, exclude: Path | None = None) -> dict[int, Path]
         if exclude is not None and manifest_path.parent == exclude:
             continue
         try:
-            found[WeightManifest.from_json(manifest_path.read_bytes()).version] = manifest_path.parent
+            manifest = WeightManifest.from_json(manifest_path.read_bytes())
         except (OSError, ValueError):  # unreadable: as if absent
             continue
+        if manifest.kind == "full":  # a vNNNNNN.delta directory is a link, not a version to build on
+            found[manifest.version] = manifest_path.parent
     return found
 
 
@@ -231,6 +294,11 @@ class EngineControl:
         for the other ranks (the engine generates nothing meanwhile)."""
         return self._post("/rollstream/join", {"host": host, "port": port, "rank": rank,
                                                "world_size": world_size, "backend": backend, "timeout_s": timeout_s})
+
+    def apply_deltas(self, version: int, directories: Sequence[Path]) -> dict[str, Any]:
+        """Applies downloaded delta links (`download_links`) on the version the engine's worker holds,
+        oldest first, and loads the result (in-memory path); refused when the worker holds another version."""
+        return self._post("/rollstream/apply", {"version": version, "paths": [str(d) for d in directories]})
 
     def receive(self, version: int, specs: Sequence[TensorSpec], bucket_size_bytes: int, *, src: int = 0) -> dict[str, Any]:
         """Receives `version` by broadcast from group rank `src` (the sender calls send_buckets

@@ -72,6 +72,7 @@ class Engine:
     heartbeats: EventConsumer
     start_s: float
     weights: dict[int, dict[str, torch.Tensor]]
+    log_path: Path
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def engine(infra, tmp_path_factory) -> Iterator[Engine]:
                             args=args) as (served, start_s):
             initial = _model(model_dir)
             yield Engine(served.url, model_dir, run, engine_id, served.process, heartbeats, start_s,
-                         {0: {n: p.detach().clone() for n, p in initial.named_parameters()}})
+                         {0: {n: p.detach().clone() for n, p in initial.named_parameters()}}, served.log_path)
     finally:
         heartbeats.close()
         if served is not None:
@@ -305,8 +306,8 @@ def test_corrupted_shard_is_refused_and_the_old_version_stays_loaded(engine, inf
 def test_a_delta_chain_is_rebuilt_from_its_snapshot_then_applied_on_the_held_version_and_a_corrupted_delta_refused(
         engine, infra):
     # The learner's stager: version 4 a full snapshot, 5..8 deltas. The engine holds an older
-    # version (not in the chain), so version 6 comes from snapshot 4 then deltas 5 and 6; version 7
-    # is then applied on the version 6 it holds.
+    # version (not in the chain), so version 6 is rebuilt on disk from snapshot 4 then deltas 5 and 6;
+    # version 7 is then applied in memory by the worker, on the version 6 it holds.
     mc = objectstore.client(infra.object_store)
     config = json.loads((engine.model_dir / "config.json").read_text())
     stager = VersionStager(mc, engine.run, snapshot_interval=100, max_shard_bytes=MAX_SHARD_BYTES, zstd_level=3)
@@ -330,8 +331,12 @@ def test_a_delta_chain_is_rebuilt_from_its_snapshot_then_applied_on_the_held_ver
               f"{time.monotonic() - sent:.2f} s", file=sys.stderr)
         engine.weights[version] = chain[version]
         assert _engine_greedy(engine, PROMPT, 24) == (_torch_greedy(engine, chain[version], PROMPT, 24), version)
+    log = engine.log_path.read_text(errors="replace")
+    assert "loaded version 6 from MinIO: download" in log
+    assert "loaded version 7 from MinIO in memory (1 delta(s) on version 6)" in log
 
-    # A delta whose bytes were damaged in the store: refused, version 7 keeps being served.
+    # A delta whose bytes were damaged in the store: refused in memory, then by the rebuild from the
+    # snapshot; version 7 keeps being served.
     bucket, key = objectstore.parse_uri(events[8]["shards"][0]["uri"])
     data = bytearray(objectstore.get_bytes(mc, bucket, key))
     data[len(data) // 2] ^= 0xFF
