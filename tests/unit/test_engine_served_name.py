@@ -23,17 +23,19 @@ def test_the_served_name_becomes_vllms_served_model_name_and_none_leaves_vllms_d
     assert "--served-model-name" not in plain
 
 
-def test_an_engine_restarted_on_a_later_version_keeps_the_runs_model_id(monkeypatch, tmp_path: Path):
+def test_an_engine_restarted_on_a_later_version_keeps_the_runs_model_id_and_its_cores(monkeypatch, tmp_path: Path):
     launched = {}
     monkeypatch.setattr(loading, "materialize_version", lambda cfg, run, version, model_dir, out: out / "v000019")
     monkeypatch.setattr(engines, "stop_listener", lambda port: None)
     monkeypatch.setattr(engines, "launch_run_engine",
-                        lambda cfg, run, run_dir, model_dir, pool, engine_id, port, extra, metrics_port:
-                        launched.update(model_dir=model_dir, extra=extra))
+                        lambda cfg, run, run_dir, model_dir, pool, engine_id, port, extra, metrics_port, cpus:
+                        launched.update(model_dir=model_dir, extra=extra, cpus=cpus))
     restarter = engines.EngineRestarter(RollstreamConfig(), "r", tmp_path, Path("/models/policy"), print)
-    dead = SimpleNamespace(engine_id="r.current-0", pool="current", url="http://127.0.0.1:8100", metrics_port=None)
+    dead = SimpleNamespace(engine_id="r.current-0", pool="current", url="http://127.0.0.1:8100", metrics_port=None,
+                           cpus="1")
     restarter._start(dead, 19)
     assert launched["model_dir"].name == "v000019"
     extra = launched["extra"]
     assert extra[extra.index("--served-name") + 1] == "/models/policy"
     assert extra[extra.index("--initial-version") + 1] == "19"
+    assert launched["cpus"] == "1"
