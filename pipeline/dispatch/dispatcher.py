@@ -7,7 +7,9 @@ The planning is pipeline/dispatch/logic.py; this module does the I/O around it:
 - while running it follows `batches`, `weights`, `metrics` and `alerts` (from their beginning, the
   run's events only): a batch's groups count as trained once the learner has published a version
   newer than the batch's credit_version, and a streams/group_dropped metric releases its group (a
-  dropped group never reaches a batch and would otherwise hold credit forever);
+  dropped group never reaches a batch and would otherwise hold credit forever). A reader that stops
+  reading a partition while events wait there (a broker restart can leave its consumer so) is
+  replaced by a fresh one from where it stopped (ProgressReader, STUCK_CHECK_S);
 - an alert whose rule's action is pause (or stop) holds it: it sends nothing more, validation rounds
   included, while the work in flight finishes, until a resume (`rollstream alerts resume`) is read
   after it (streams/alerts.py RunHold). Reading `alerts` from its beginning, a restarted dispatcher is
@@ -20,11 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from confluent_kafka import Consumer, TopicPartition
+from confluent_kafka import Consumer, KafkaException, TopicPartition
 from prometheus_client import Counter, Gauge
 
 from pipeline.dispatch import logic
@@ -75,20 +77,29 @@ class Progress:
                 if self.learner_version > credit or batch_id in self.skipped_batches for g in gids}
 
 
-def _consumer(kafka: KafkaSettings, names: Iterable[str], *, to_end: bool) -> tuple[Consumer, dict[tuple[str, int], int]]:
-    """A group-less consumer of every partition of `names` from the beginning, and their ends."""
+def _consumer(kafka: KafkaSettings, names: Iterable[str], *, to_end: bool,
+              start: Mapping[tuple[str, int], int] | None = None,
+              ) -> tuple[Consumer, dict[tuple[str, int], int], dict[tuple[str, int], int]]:
+    """A group-less consumer of every partition of `names` from the beginning (or from `start`'s offset
+    where it has one); the ends of the partitions that hold events (when `to_end`), and where reading
+    starts in each."""
     consumer = Consumer(kafka.as_confluent(**{
         "group.id": "rollstream-dispatch-reader", "enable.auto.commit": False,
         "fetch.message.max.bytes": kafka.message_max_bytes}))
-    parts, ends = [], {}
-    for name in names:
-        for p in consumer.list_topics(name, timeout=10).topics[name].partitions:
-            low, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)
-            parts.append(TopicPartition(name, p, low))
-            if to_end and high > low:
-                ends[(name, p)] = high
-    consumer.assign(parts)
-    return consumer, ends
+    parts, ends, starts = [], {}, {}
+    try:
+        for name in names:
+            for p in consumer.list_topics(name, timeout=10).topics[name].partitions:
+                low, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)
+                starts[(name, p)] = max(low, (start or {}).get((name, p), low))
+                parts.append(TopicPartition(name, p, starts[(name, p)]))
+                if to_end and high > low:
+                    ends[(name, p)] = high
+        consumer.assign(parts)
+    except KafkaException:
+        consumer.close()
+        raise
+    return consumer, ends, starts
 
 
 def _decoded(msg: Any) -> dict[str, Any] | None:
@@ -102,7 +113,7 @@ def _decoded(msg: Any) -> dict[str, Any] | None:
 
 def _read_to_end(kafka: KafkaSettings, name: str, run: str, timeout_s: float) -> Iterator[dict[str, Any]]:
     """The run's events on topic `name`, read up to the end each partition had."""
-    consumer, ends = _consumer(kafka, [name], to_end=True)
+    consumer, ends, _ = _consumer(kafka, [name], to_end=True)
     deadline = time.monotonic() + timeout_s
     try:
         while ends:
@@ -143,17 +154,33 @@ def read_hold(kafka: KafkaSettings, run: str, timeout_s: float = 60.0) -> RunHol
     return hold
 
 
+PROGRESS_TOPICS = (topics.BATCHES, topics.WEIGHTS, topics.METRICS, topics.ALERTS)
+STUCK_CHECK_S = 30.0
+"""How often a ProgressReader checks that it still reads what its partitions hold. After a broker
+restart an assign()-mode consumer can keep metadata without a partition and read nothing of it for as
+long as it lives (bench chaos 2026-12-04: the dispatcher saw no trained batch after a restart, held its
+in-flight bound full and the run stood still). A partition that had events past what was read at one
+check and was not read any further by the next, or a check the consumer cannot answer, renews it."""
+
+
 class ProgressReader:
     """Follows batches, weights, metrics and alerts for one run."""
 
-    def __init__(self, kafka: KafkaSettings, run: str, hold: RunHold | None = None) -> None:
+    def __init__(self, kafka: KafkaSettings, run: str, hold: RunHold | None = None, *,
+                 check_s: float = STUCK_CHECK_S) -> None:
         self.run = run
         self.progress = Progress(hold=hold or RunHold())  # alerts read again from the start count once (by id)
-        self._consumer, _ = _consumer(kafka, [topics.BATCHES, topics.WEIGHTS, topics.METRICS, topics.ALERTS],
-                                      to_end=False)
+        self._kafka, self._check_s = kafka, check_s
+        # per partition, the offset after the last message read (where reading started until then)
+        self._consumer, _, self._read_to = _consumer(kafka, PROGRESS_TOPICS, to_end=False)
+        self._lagging: dict[tuple[str, int], int] = {}
+        self._checked = time.monotonic()
+        self.renewals = 0
 
     def poll(self, timeout: float) -> Progress:
         for msg in self._consumer.consume(1000, timeout):
+            if msg.error() is None:
+                self._read_to[(msg.topic(), msg.partition())] = msg.offset() + 1
             e = _decoded(msg)
             if e is None or e["run"] != self.run:
                 continue
@@ -167,7 +194,43 @@ class ProgressReader:
                 self.progress.released.add(e["labels"]["group_id"])
             elif e["name"] == topics.BATCH_SKIPPED_METRIC and "batch_id" in e["labels"]:
                 self.progress.skipped_batches.add(e["labels"]["batch_id"])
+        if time.monotonic() - self._checked >= self._check_s:
+            self._check()
         return self.progress
+
+    def _check(self) -> None:
+        """Renews the consumer when a partition is stuck (STUCK_CHECK_S)."""
+        self._checked = time.monotonic()
+        try:
+            # the consumer's position, not the last message's offset + 1: it also steps over transaction markers
+            for tp in self._consumer.position([TopicPartition(*tp) for tp in self._read_to]):
+                if tp.offset >= 0:
+                    self._read_to[(tp.topic, tp.partition)] = tp.offset
+            ends = {tp: self._consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10, cached=False)[1]
+                    for tp in self._read_to}
+        except KafkaException as error:
+            self.renew(f"its broker did not answer ({error})")
+            return
+        stuck = logic.stuck_partitions(self._lagging, self._read_to, ends)
+        self._lagging = logic.lagging(self._read_to, ends)
+        if stuck:
+            self.renew(f"{', '.join(f'{t}[{p}]' for t, p in sorted(stuck))} had events past "
+                        f"what it read and were not read any further in {self._check_s:g} s")
+
+    def renew(self, why: str = "asked to") -> None:
+        """A new consumer in place of the old one, from where the old one stopped reading."""
+        try:
+            fresh, _, self._read_to = _consumer(self._kafka, PROGRESS_TOPICS, to_end=False, start=self._read_to)
+        except KafkaException as error:  # the broker is still away: the next check tries again
+            log.warning("run %s: the progress reader could not be renewed (%s): %s", self.run, why, error)
+            return
+        old, self._consumer, self._lagging = self._consumer, fresh, {}
+        self.renewals += 1
+        log.warning("run %s: progress reader renewed: %s", self.run, why)
+        try:
+            old.close()
+        except (KafkaException, RuntimeError) as error:  # a consumer whose broker went away may not close cleanly
+            log.warning("run %s: closing the old progress reader: %s", self.run, error)
 
     def close(self) -> None:
         self._consumer.close()

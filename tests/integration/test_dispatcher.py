@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from pipeline.cli import dispatch as dispatch_cmd
 from pipeline.dispatch import logic
-from pipeline.dispatch.dispatcher import run_dispatcher
+from pipeline.dispatch.dispatcher import ProgressReader, run_dispatcher
 from pipeline.dispatch.sources import parse_sources
 from schemas import samples, topics
 from schemas.bus import EventProducer, now_ms
@@ -90,3 +90,31 @@ def test_in_flight_bound_is_released_by_trained_batches_and_dropped_groups(infra
         reader.close()
     assert result["total_groups"] == 4
     assert sorted(r["sample_index"] for rs in _groups(reader, False).values() for r in rs[:1]) == [0, 1, 2, 3]
+
+
+def test_a_renewed_progress_reader_follows_on_from_where_the_old_one_stopped(infra):
+    run = f"renew-{uuid.uuid4().hex[:8]}"
+    producer = EventProducer(infra.kafka, client_id=run)
+    progress_reader = ProgressReader(infra.kafka, run, check_s=1.0)
+    try:
+        producer.send(topics.WEIGHTS, weights(run, 1), key=run)
+        producer.flush()
+        deadline = time.monotonic() + 20
+        while progress_reader.poll(0.5).learner_version < 1:
+            assert time.monotonic() < deadline, "version 1 not read"
+        for _ in range(6):  # checks that find nothing stuck renew nothing
+            progress_reader.poll(0.5)
+        assert progress_reader.renewals == 0
+        progress_reader.renew()
+        assert progress_reader.renewals == 1
+        producer.send(topics.BATCHES, {**samples.batch(), "run": run, "batch_id": f"{run}-b1", "credit_version": 1,
+                                       "group_ids": ["g"]}, key=f"{run}-b1")
+        producer.send(topics.WEIGHTS, weights(run, 2), key=run)
+        producer.flush()
+        deadline = time.monotonic() + 20
+        while progress_reader.poll(0.5).learner_version < 2:
+            assert time.monotonic() < deadline, "version 2 not read by the renewed reader"
+        assert progress_reader.progress.batches == {f"{run}-b1": (1, ["g"])}
+    finally:
+        progress_reader.close()
+        producer.flush()

@@ -27,6 +27,12 @@ class _Message:
     def topic(self) -> str:
         return self._topic
 
+    def partition(self) -> int:
+        return 0
+
+    def offset(self) -> int:
+        return 0
+
     def value(self) -> bytes:
         return self._value
 
@@ -47,6 +53,7 @@ class _StubConsumer:
 def _reader(batches: list[list[_Message]], hold: RunHold | None = None) -> ProgressReader:
     reader = ProgressReader.__new__(ProgressReader)  # no Kafka client: the stub stands in for it
     reader.run, reader.progress, reader._consumer = "r", Progress(hold=hold or RunHold()), _StubConsumer(batches)
+    reader._read_to, reader._check_s, reader._checked = {}, float("inf"), 0.0  # never checked for stuck partitions
     return reader
 
 
