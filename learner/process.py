@@ -435,10 +435,7 @@ class LearnerLoop:
         except KafkaException as e:
             log.warning("committing %d batch offsets failed (%s): kept for the next step, with a new consumer "
                         "at the offsets reached; the checkpoints hold the position", len(uncommitted), e)
-        try:
-            consumer.close()
-        except (KafkaException, RuntimeError) as e:  # a consumer whose broker is gone may not close cleanly
-            log.warning("closing the old batches consumer: %s", e)
+        eventref.close_consumer(consumer, "the old batches consumer")
         return self._batches_consumer(state), uncommitted
 
     def _done(self, state: checkpoint.TrainingState) -> bool:

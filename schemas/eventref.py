@@ -35,6 +35,16 @@ from schemas.settings import KafkaSettings
 
 log = logging.getLogger("rollstream.eventref")
 
+
+def close_consumer(consumer: Consumer, what: str) -> None:
+    """Closes a consumer that is being replaced; a consumer whose broker is gone may not close cleanly,
+    which is logged, not raised."""
+    try:
+        consumer.close()
+    except (KafkaException, RuntimeError) as error:
+        log.warning("closing %s: %s", what, error)
+
+
 SCHEME = "kafka://"
 MAX_GAP = 256
 """Offsets at most this far apart in one partition are read as one range rather than seeked to."""
@@ -233,10 +243,7 @@ class EventFetcher:
         keep metadata in which the partition does not exist and answer _UNKNOWN_PARTITION for as long as
         it lives (bench chaos: 300 s of it, then the learner exited); a new one asks the broker afresh."""
         old, self._consumer = self._consumer, Consumer(self._config)
-        try:
-            old.close()
-        except (KafkaException, RuntimeError) as e:  # a consumer whose broker is gone may not close cleanly
-            log.warning("closing the old event-fetch consumer: %s", e)
+        close_consumer(old, "the old event-fetch consumer")
 
     def _position(self, topic: str, partition: int) -> int | None:
         pos = self._consumer.position([TopicPartition(topic, partition)])[0].offset

@@ -33,6 +33,7 @@ from pipeline.dispatch import logic
 from schemas import topics
 from schemas.bus import EventProducer, now_ms
 from schemas.codec import UndecodableEvent, codec
+from schemas.eventref import close_consumer
 from schemas.prometheus import serve_metrics
 from schemas.settings import KafkaSettings
 from streams.alerts import RunHold
@@ -171,7 +172,7 @@ class ProgressReader:
         self.run = run
         self.progress = Progress(hold=hold or RunHold())  # alerts read again from the start count once (by id)
         self._kafka, self._check_s = kafka, check_s
-        # per partition, the offset after the last message read (where reading started until then)
+        # per partition, where the consumer had read to at the last check (_note_positions)
         self._consumer, _, self._read_to = _consumer(kafka, PROGRESS_TOPICS, to_end=False)
         self._lagging: dict[tuple[str, int], int] = {}
         self._checked = time.monotonic()
@@ -179,8 +180,6 @@ class ProgressReader:
 
     def poll(self, timeout: float) -> Progress:
         for msg in self._consumer.consume(1000, timeout):
-            if msg.error() is None:
-                self._read_to[(msg.topic(), msg.partition())] = msg.offset() + 1
             e = _decoded(msg)
             if e is None or e["run"] != self.run:
                 continue
@@ -202,10 +201,7 @@ class ProgressReader:
         """Renews the consumer when a partition is stuck (STUCK_CHECK_S)."""
         self._checked = time.monotonic()
         try:
-            # the consumer's position, not the last message's offset + 1: it also steps over transaction markers
-            for tp in self._consumer.position([TopicPartition(*tp) for tp in self._read_to]):
-                if tp.offset >= 0:
-                    self._read_to[(tp.topic, tp.partition)] = tp.offset
+            self._note_positions()
             ends = {tp: self._consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10, cached=False)[1]
                     for tp in self._read_to}
         except KafkaException as error:
@@ -217,9 +213,17 @@ class ProgressReader:
             self.renew(f"{', '.join(f'{t}[{p}]' for t, p in sorted(stuck))} had events past "
                         f"what it read and were not read any further in {self._check_s:g} s")
 
+    def _note_positions(self) -> None:
+        """Where the consumer has read to, per partition (its position also steps over transaction
+        markers, which no message's offset shows); a partition not fetched yet keeps where reading began."""
+        for tp in self._consumer.position([TopicPartition(*tp) for tp in self._read_to]):
+            if tp.offset >= 0:
+                self._read_to[(tp.topic, tp.partition)] = tp.offset
+
     def renew(self, why: str = "asked to") -> None:
         """A new consumer in place of the old one, from where the old one stopped reading."""
         try:
+            self._note_positions()
             fresh, _, self._read_to = _consumer(self._kafka, PROGRESS_TOPICS, to_end=False, start=self._read_to)
         except KafkaException as error:  # the broker is still away: the next check tries again
             log.warning("run %s: the progress reader could not be renewed (%s): %s", self.run, why, error)
@@ -227,10 +231,7 @@ class ProgressReader:
         old, self._consumer, self._lagging = self._consumer, fresh, {}
         self.renewals += 1
         log.warning("run %s: progress reader renewed: %s", self.run, why)
-        try:
-            old.close()
-        except (KafkaException, RuntimeError) as error:  # a consumer whose broker went away may not close cleanly
-            log.warning("run %s: closing the old progress reader: %s", self.run, error)
+        close_consumer(old, f"the old progress reader of run {self.run}")
 
     def close(self) -> None:
         self._consumer.close()

@@ -27,12 +27,6 @@ class _Message:
     def topic(self) -> str:
         return self._topic
 
-    def partition(self) -> int:
-        return 0
-
-    def offset(self) -> int:
-        return 0
-
     def value(self) -> bytes:
         return self._value
 
