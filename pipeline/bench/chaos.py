@@ -42,6 +42,7 @@ from pipeline.bench.chaos_logic import (
     Injected,
     ballast_bytes,
     chaos_table,
+    drain_versions,
     redone_in,
     restarts_in,
     slow_phase,
@@ -49,6 +50,7 @@ from pipeline.bench.chaos_logic import (
 )
 from pipeline.bench.faults import Injector, report_run
 from pipeline.bench.faults_logic import dead_letter_positions, repeated_ids
+from pipeline.dispatch.logic import in_flight_bound
 from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
 from pipeline.run.follower import QUIET_CLIENT_LOG
@@ -458,8 +460,9 @@ def bench_chaos(
     chosen = tuple(SCALED_DOWN) if scaled_down else tuple(f.strip() for f in faults.split(",") if f.strip())
     try:
         cfg = load_config(config)
+        bound = in_flight_bound(cfg.streams.batch_size, cfg.mix.max_in_flight_groups)
         settings = ChaosSettings(minutes=minutes, seed=seed, faults=chosen, pair_probability=0.5 if scaled_down
-                                 else pairs)
+                                 else pairs, drain_versions=drain_versions(bound, cfg.streams.batch_size))
     except (ValueError, OSError) as error:
         typer.echo(f"rollstream bench chaos: {error}", err=True)
         raise typer.Exit(code=2) from None

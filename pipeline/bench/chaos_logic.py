@@ -11,8 +11,14 @@ stream processor killed as it cuts a batch. A fault whose moment does not come w
 `moment_wait_s` goes in anyway, recorded as such. Faults that last (an engine stopped with SIGSTOP,
 a slow env worker, the broker's disk nearly full) are lifted after their `hold_s`.
 
-An episode (one fault or two) has recovered when the learner has published a version past the one it
-was at, what each fault hit is back and lifted, and every poison event sits in `dlq`. When the time is
+An episode (one fault or two) has recovered when what each fault hit is back and lifted, every poison
+event sits in `dlq`, and the learner has trained work dispatched after the fault was lifted: it has
+published `drain_versions` versions past the one it was at when the fault was lifted (a lasting fault's
+lift: when first observed). With at most
+`in_flight_bound` groups dispatched and untrained and `batch_size` groups a batch, the groups
+dispatched before the lift fill at most bound / batch_size batches, so the next one holds new work;
+one version past the fault is not enough (a broker restart once left the dispatcher reading nothing,
+and the learner still trained a batch of what was already in flight). When the time is
 up, the episode in flight may still recover; one that does not within `recovery_limit_s` counts as a
 loss.
 
@@ -85,6 +91,7 @@ class ChaosSettings:
     start_version: int = 1
     moment_wait_s: float = 180.0
     recovery_limit_s: float = 600.0  # after the time is up, for the episode in flight
+    drain_versions: int = 1  # versions after the lift that must hold work dispatched after it (see drain_versions())
 
     def __post_init__(self) -> None:
         unknown = [f for f in self.faults if f not in FAULTS]
@@ -94,6 +101,8 @@ class ChaosSettings:
             raise ValueError("no fault to inject")
         if self.minutes <= 0:
             raise ValueError(f"minutes must be positive, got {self.minutes}")
+        if self.drain_versions < 1:
+            raise ValueError(f"drain_versions must be at least 1, got {self.drain_versions}")
         if not 0 <= self.pair_probability <= 1:
             raise ValueError(f"pair_probability must lie in [0, 1], got {self.pair_probability}")
 
@@ -112,6 +121,7 @@ class Injected:
     hit: str | None = None  # the process it hit (a child's name, an engine's id), when one
     killed: str | None = None  # the process it killed on purpose, restarted once by supervision
     lifted_at_s: float | None = None  # lasting faults: when lifted; the others: at injection
+    version_at_lift: int | None = None  # the learner's version when the lift was first observed
     recovered_at_s: float | None = None
     poison: list[tuple[str, int, int]] = field(default_factory=list)
     poison_found: int = 0
@@ -201,7 +211,7 @@ class ChaosSchedule:
         for f in faults:
             f.moment = FAULTS[f.name].moment if FAULTS[f.name].moment in seen else ANY
             if f.lifted_at_s is None and FAULTS[f.name].hold_s == 0:
-                f.lifted_at_s = now_s
+                f.lifted_at_s, f.version_at_lift = now_s, version
             if not f.injected:  # nothing to recover from
                 f.lifted_at_s = f.recovered_at_s = now_s
         episode = Episode(len(self.episodes), list(faults), now_s, dict(restarts))
@@ -223,13 +233,24 @@ class ChaosSchedule:
                 continue
             if f.poison:
                 f.poison_found = sum(1 for p in f.poison if p in found)
-            if f.lifted_at_s is not None and version > f.version_at_injection and back.get(f.name, True) \
-                    and f.poison_found == len(f.poison):
+            if f.lifted_at_s is not None and f.version_at_lift is None:
+                f.version_at_lift = max(version, f.version_at_injection)
+            drained = f.version_at_lift is not None and version >= f.version_at_lift + self.s.drain_versions
+            if drained and back.get(f.name, True) and f.poison_found == len(f.poison):
                 f.recovered_at_s = now_s
                 newly.append(f)
         if episode.recovered:
             self.next_at_s = now_s + self.rng.uniform(*self.s.pause_s)
         return newly
+
+
+def drain_versions(in_flight_bound: int, batch_size: int) -> int:
+    """Versions after a lift by which the learner must have trained a group dispatched after it: the
+    groups in flight at the lift fill at most ceil(bound / batch_size) batches; the one after holds new
+    work."""
+    if in_flight_bound < 1 or batch_size < 1:
+        raise ValueError(f"in_flight_bound and batch_size must be positive, got {in_flight_bound}, {batch_size}")
+    return -(-in_flight_bound // batch_size) + 1
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:

@@ -91,7 +91,7 @@ class DispatcherSettings(BaseModel):
     @property
     def in_flight_bound(self) -> int:
         """The in-flight limit in groups."""
-        return self.max_in_flight_groups if self.max_in_flight_groups is not None else 2 * self.batch_size
+        return in_flight_bound(self.batch_size, self.max_in_flight_groups)
 
 
 @dataclass(frozen=True)
@@ -184,6 +184,11 @@ def in_flight(dispatched: Iterable[str], trained: Iterable[str], released: Itera
     """Training groups dispatched and neither in a trained batch nor released (dropped by the
     aggregator, which never reach a batch and would otherwise hold credit forever)."""
     return len(set(dispatched) - set(trained) - set(released))
+
+
+def in_flight_bound(batch_size: int, max_in_flight_groups: int | None) -> int:
+    """The most groups dispatched and not yet trained: max_in_flight_groups, or two batches (AgentRL's queue)."""
+    return max_in_flight_groups if max_in_flight_groups is not None else 2 * batch_size
 
 
 def dispatch_budget(settings: DispatcherSettings, groups_in_flight: int) -> int:

@@ -19,6 +19,7 @@ from pipeline.bench.chaos_logic import (
     Injected,
     ballast_bytes,
     chaos_table,
+    drain_versions,
     episode_findings,
     redone_in,
     restarts_in,
@@ -34,7 +35,7 @@ def settings(**kw) -> ChaosSettings:
 
 
 def simulate(schedule: ChaosSchedule, episodes: int) -> list[list[str]]:
-    """Injects whatever is due, every moment present, each fault recovering on the next tick."""
+    """Injects whatever is due, every moment present, each fault recovering one version after its lift."""
     out, now, version = [], 0.0, 1
     while len(out) < episodes:
         now += 1
@@ -47,6 +48,8 @@ def simulate(schedule: ChaosSchedule, episodes: int) -> list[list[str]]:
             now += FAULTS[due[0]].hold_s + max(FAULTS[n].hold_s for n in due)
             for f in made:
                 f.lifted_at_s = f.lifted_at_s or now
+            schedule.observe(now, version, {})  # a lasting fault's lift is seen at this version
+            now, version = now + 1, version + 1
             schedule.observe(now, version, {})
     return out
 
@@ -103,7 +106,7 @@ def test_nothing_is_injected_before_the_first_version_in_an_open_episode_during_
     assert ChaosSchedule(settings(minutes=1)).due(60, 1, ALL_MOMENTS) == []
 
 
-def test_an_episode_recovers_only_when_lifted_moved_on_back_and_its_poison_is_in_dlq():
+def test_an_episode_recovers_only_when_lifted_moved_on_past_the_lift_back_and_its_poison_is_in_dlq():
     s = ChaosSchedule(settings(faults=("engine_hang", "poison_events"), pair_probability=1.0))
     due = s.due(1, 3, ALL_MOMENTS)
     assert sorted(due) == ["engine_hang", "poison_events"]
@@ -118,8 +121,10 @@ def test_an_episode_recovers_only_when_lifted_moved_on_back_and_its_poison_is_in
     hang.lifted_at_s = 31
     s.observe(32, 4, {"engine_hang": False}, {("tasks", 0, 10), ("batches", 0, 4)})
     assert hang.recovered_at_s is None and poison.recovery_s == 31
-    s.observe(40, 4, {"engine_hang": True})
-    assert hang.recovery_s == 39 and s.open is None
+    s.observe(40, 4, {"engine_hang": True})  # back, but the learner has not moved since the lift
+    assert hang.recovered_at_s is None and hang.version_at_lift == 4
+    s.observe(41, 5, {"engine_hang": True})
+    assert hang.recovery_s == 40 and s.open is None
 
 
 def test_the_learner_must_move_past_the_version_it_was_at():
@@ -131,6 +136,24 @@ def test_the_learner_must_move_past_the_version_it_was_at():
     assert s.open is not None
     s.observe(51, 5, {})
     assert s.open is None
+
+
+def test_recovery_waits_until_work_dispatched_after_the_lift_is_trained():
+    # bound 4 groups, 2 a batch: what was in flight at the lift fills at most two batches
+    assert drain_versions(4, 2) == 3 and drain_versions(5, 2) == 4 and drain_versions(1, 1) == 2
+    s = ChaosSchedule(settings(faults=("kafka_restart",), drain_versions=drain_versions(4, 2)))
+    s.due(1, 4, set())
+    f = Injected("kafka_restart", 0, 1, 4, "")
+    s.injected(1, 4, set(), [f], {})
+    s.observe(10, 5, {})
+    s.observe(20, 6, {})  # two batches: could be the groups in flight at the restart alone
+    assert s.open is not None and f.version_at_lift == 4
+    s.observe(30, 7, {})
+    assert s.open is None and f.recovery_s == 29
+    with pytest.raises(ValueError, match="positive"):
+        drain_versions(0, 2)
+    with pytest.raises(ValueError, match="drain_versions"):
+        ChaosSettings(minutes=1, drain_versions=0)
 
 
 def test_a_fault_the_machine_cannot_inject_counts_as_nothing():
