@@ -17,7 +17,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -38,6 +37,7 @@ from pipeline.dispatch.logic import Slot, requests_for
 from pipeline.engine.launch import launch_engine, stop_process_group
 from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, load_config, settings_json, write_private
+from pipeline.run.plan import command
 from pipeline.run.up import timestamped
 from schemas import topics
 from schemas.bus import EventConsumer, EventProducer
@@ -148,8 +148,8 @@ def _start_env_worker(k: int, run: str, model: Path, settings_path: Path, logs: 
     """The run's k-th env worker, in a session of its own (SIGKILL takes it whole), logging to `logs`."""
     log = open(logs / f"env-worker-{k}.log", "wb")
     return subprocess.Popen(
-        [sys.executable, "-m", "pipeline.cli", "env-worker", "--run", run, "--model", str(model),
-         "--settings", str(settings_path), "--worker-id", f"{run}-w{k}"],
+        command("env_worker", "--run", run, "--model", str(model), "--settings", str(settings_path),
+                "--worker-id", f"{run}-w{k}"),
         cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 

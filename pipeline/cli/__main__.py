@@ -1,5 +1,5 @@
 """`python -m pipeline.cli ...`: the `rollstream` command without its installed script."""
 
-from pipeline.cli import main
+from pipeline.cli.commands import main
 
 main()

@@ -14,8 +14,8 @@ from pipeline.cli.toolkit import App, ConfigOption, JsonOption, RunOption, fail
 from pipeline.dispatch.dispatcher import run_dispatcher
 from pipeline.dispatch.logic import DispatcherSettings, TaskSource
 from pipeline.dispatch.sources import parse_limit, parse_sources, parse_weights
-from pipeline.policy.sft import EVAL_SPLITS as HELD_OUT_SPLITS
-from pipeline.policy.sft import TRAIN_SPLITS as TRAINING_SPLITS
+from pipeline.policy.splits import EVAL_SPLITS as HELD_OUT_SPLITS
+from pipeline.policy.splits import TRAIN_SPLITS as TRAINING_SPLITS
 from pipeline.run.config import load_config
 
 _D = DispatcherSettings(sources=(TaskSource(task="calc", split="train", count=1),))
@@ -87,3 +87,7 @@ def dispatch(
 
 app = App()
 app.command()(dispatch)
+
+
+if __name__ == "__main__":
+    app()

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from env_workers.settings import AgentLoopSettings
 from env_workers.worker import WorkerFailed
 from env_workers.worker_settings import EnvWorkerSettings
-from pipeline.cli.toolkit import CHECK_FAILED, ConfigOption, JsonOption, ModelOption, RunOption, SettingsOption, fail
+from pipeline.cli.toolkit import CHECK_FAILED, App, ConfigOption, JsonOption, ModelOption, RunOption, SettingsOption, fail
 from pipeline.run.config import load_config, validation_message
 from pipeline.run.env_worker import serve
 
@@ -94,3 +94,10 @@ def env_worker(
     typer.echo(json.dumps(summary) if as_json else
                f"{worker_id}: {stats.trajectories} trajectories, {stats.steps} steps, "
                f"{stats.cancelled} cancelled, {stats.dead_lettered} dead-lettered")
+
+
+app = App()
+app.command()(env_worker)
+
+if __name__ == "__main__":
+    app()

@@ -45,16 +45,12 @@ from env_workers.envs.base import EnvSettings
 from env_workers.settings import AgentLoopSettings
 from learner.microbatch import BatchItem, MicroBatch, make_micro_batches
 from pipeline.policy.demonstrations import Demonstration
+from pipeline.policy.splits import EVAL_SPLITS, TRAIN_SPLITS
 from pipeline.engine.launch import EngineProcess, launch_engine
 from pipeline.analysis.evaluation import is_success
 from schemas.ids import group_id, trajectory_id
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# Where demonstrations come from and where success is measured: disjoint splits of each family.
-TRAIN_SPLITS = {"calc": "train", "db": "standard", "kg": "train", "os": "train",
-                "webshop": "generated-train", "alfworld": "standard", "python": "train"}
-EVAL_SPLITS = {"calc": "dev", "db": "dev", "kg": "dev", "os": "test", "webshop": "generated-dev", "alfworld": "dev",
-               "python": "dev"}
 # Files of a checkpoint that hold weights: everything else (tokenizer, template, ...) is copied as is.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".safetensors.index.json", ".bin.index.json")
 

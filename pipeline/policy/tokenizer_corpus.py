@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from env_workers.envs import registry
 from pipeline.policy.demonstrations import oracle_episodes
 from pipeline.policy.model_init import build_tokenizer
-from pipeline.policy.sft import TRAIN_SPLITS
+from pipeline.policy.splits import TRAIN_SPLITS
 from pipeline.run.config import load_config
 
 # Episodes per family: merges saturate well below these (measured: 2048 merges learned from

@@ -19,7 +19,7 @@ from env_workers.envs.base import EnvSettings
 from pipeline.analysis import evaluation
 from pipeline.dispatch.logic import TaskSource, validation_requests
 from pipeline.engine.launch import free_port
-from pipeline.policy.sft import EVAL_SPLITS
+from pipeline.policy.splits import EVAL_SPLITS
 from pipeline.run.config import RollstreamConfig, load_config
 from pipeline.run.live_view import RunView
 from pipeline.run.plan import env_worker_children, streams_app_id, streams_child
@@ -36,7 +36,7 @@ from schemas import topics
 from schemas.bus import EventProducer, now_ms
 from streams.worker import start_at_end
 
-STD = "std"  # each family's held-out split (pipeline/policy/sft.py EVAL_SPLITS)
+STD = "std"  # each family's held-out split (pipeline/policy/splits.py EVAL_SPLITS)
 
 
 def validation_sources(families: list[str], split: str, samples: int | dict[str, int] | None,

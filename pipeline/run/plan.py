@@ -53,6 +53,13 @@ def rollstream(*args: str) -> tuple[str, ...]:
     return (sys.executable, "-m", "pipeline.cli", *args)
 
 
+def command(module: str, *args: str) -> tuple[str, ...]:
+    """A run's process: the CLI module of its one command (pipeline/cli/<module>.py) run by this interpreter.
+    Not `rollstream <command>`: the whole command line imports every subcommand's libraries (torch,
+    transformers, vLLM), seconds of CPU per process taken from the engines starting beside it."""
+    return (sys.executable, "-m", f"pipeline.cli.{module}", *args)
+
+
 def streams_app_id(run: str) -> str:
     """One Faust app per run: its own consumer group, internal topics and changelogs."""
     return f"rollstream-streams.{run}"
@@ -63,7 +70,7 @@ def streams_child(cfg: RollstreamConfig, run: str, run_dir: Path, web_port: int,
     # The run's app starts at the topics' end: `up` commits that (streams.worker.start_at_end)
     # before anything is dispatched, so the worker's own start-up time cannot lose a request.
     settings_path = run_dir / "settings" / "streams.json"
-    return Child("streams", rollstream(
+    return Child("streams", command(
         "streams", "worker", "--app-id", streams_app_id(run), "--datadir", str(run_dir / "streams"),
         "--web-port", str(web_port), "--settings", str(settings_path), "--components", ",".join(components),
         "--run", run),
@@ -76,15 +83,15 @@ def env_worker_children(cfg: RollstreamConfig, run: str, run_dir: Path, model_di
                                  agent_loop=cfg.agent_loop, env=env, seed=cfg.seed)
     settings_path = run_dir / "settings" / "env_worker.json"
     files = {str(settings_path): settings_json(settings)}
-    return [Child(f"env-worker-{i}", rollstream(
-        "env-worker", "--run", run, "--model", str(model_dir), "--settings", str(settings_path),
+    return [Child(f"env-worker-{i}", command(
+        "env_worker", "--run", run, "--model", str(model_dir), "--settings", str(settings_path),
         "--worker-id", f"{run}-env-worker-{i}"), files) for i in range(cfg.env_workers.count)]
 
 
 def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Path,
                   engine_urls: dict[str, list[str]], broadcast_port: int, *, resume: bool = False) -> Child:
     settings_path = run_dir / "settings" / "learner.json"
-    argv = ["learner", "--run", run, "--model", str(model_dir), "--settings", str(settings_path),
+    argv = ["--run", run, "--model", str(model_dir), "--settings", str(settings_path),
             "--max-steps", str(cfg.max_steps), "--broadcast-port", str(broadcast_port)]
     if engine_urls.get("current"):
         argv += ["--broadcast-current", ",".join(engine_urls["current"])]
@@ -92,7 +99,7 @@ def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
         argv += ["--broadcast-stale", ",".join(engine_urls["stale"])]
     if resume:
         argv.append("--resume")
-    return Child("learner", rollstream(*argv), {str(settings_path): settings_json(cfg.learner_settings())},
+    return Child("learner", command("learner", *argv), {str(settings_path): settings_json(cfg.learner_settings())},
                  restart_args=() if resume else ("--resume",))
 
 
@@ -100,7 +107,7 @@ def dispatcher_child(cfg: RollstreamConfig, run: str, run_dir: Path) -> Child:
     # The whole configuration: the broker, and the environments' settings that size each split.
     config_path = run_dir / "settings" / "config.json"
     mix = cfg.mix
-    argv = ["dispatch", "--run", run, "--config", str(config_path),
+    argv = ["--run", run, "--config", str(config_path),
             "--families", ",".join(mix.families), "--max-groups", str(UNBOUNDED_GROUPS),
             "--group-size", str(cfg.streams.group_size), "--batch-size", str(cfg.streams.batch_size),
             "--val-interval", str(mix.val_interval), "--val-group-size", str(mix.val_group_size)]
@@ -115,7 +122,7 @@ def dispatcher_child(cfg: RollstreamConfig, run: str, run_dir: Path) -> Child:
                      else ",".join(f"{k}={v}" for k, v in mix.val_samples.items())]
     if not mix.val_before_train:
         argv.append("--no-val-before-train")
-    return Child("dispatcher", rollstream(*argv), {str(config_path): settings_json(cfg, cfg.as_data())})
+    return Child("dispatcher", command("dispatch", *argv), {str(config_path): settings_json(cfg, cfg.as_data())})
 
 
 def engine_args(cfg: RollstreamConfig) -> tuple[str, ...]:

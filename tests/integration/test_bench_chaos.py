@@ -33,7 +33,7 @@ def test_a_few_minutes_of_chaos_lose_nothing_train_nothing_twice_and_leave_nothi
     config_path = tmp_path / "chaos.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run = f"chaos-{uuid.uuid4().hex[:8]}"
-    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "chaos", "--scaled-down", "--minutes", "3",
+    done = subprocess.run([sys.executable, "-m", "pipeline.cli", "bench", "chaos", "--scaled-down", "--minutes", "2",
                            "--seed", "2", "--config", str(config_path), "--run", run, "--json"], cwd=REPO_ROOT,
                           capture_output=True, text=True, timeout=LIMIT_S)
     assert done.returncode in (0, 1), done.stdout[-3000:] + done.stderr[-5000:]

@@ -25,6 +25,9 @@ def test_scaled_down_bench_pipeline_measures_both_modes_and_a_bound_from_the_sta
     # synchronous mode wait; scaled down, a short tail keeps both modes and the replay at a few minutes
     # while every phase still runs on the real stack.
     config["agent_loop"]["step_latency"] = {"median_s": 0.2, "sigma": 0.5, "max_s": 2.0}
+    # Fewer rollout slots: the rollout-alone run holds its learner until its warm-up (one group per
+    # slot) and measured groups are ready, so 8 slots instead of 32 let it out after 12 groups, not 48.
+    config["env_workers"]["concurrency"] = 4
     config_path = tmp_path / "pipeline.yaml"
     config_path.write_text(yaml.safe_dump(config))
     run = f"pipe-{uuid.uuid4().hex[:8]}"

@@ -317,6 +317,9 @@ def test_the_learner_resumes_broadcasts_to_every_engine_and_runs_one_rank_per_gp
 
 def test_the_dispatcher_gets_the_options_rollstream_up_derives_from_run_yaml(cfg):
     (container,) = _named("Deployment", "rollstream-dispatcher")["spec"]["template"]["spec"]["containers"]
-    planned = list(dispatcher_child(cfg, cfg.run, Path("/unused")).argv[3:])
+    # `up` runs the dispatcher as `python -m pipeline.cli.dispatch ...`, the pod as `rollstream dispatch ...`
+    child = dispatcher_child(cfg, cfg.run, Path("/unused"))
+    assert child.argv[1:3] == ("-m", "pipeline.cli.dispatch")
+    planned = ["dispatch", *child.argv[3:]]
     planned[planned.index("--config") + 1] = f"{CONFIG_MOUNT}/run.yaml"
     assert container["args"] == planned + ["--metrics-port", str(METRICS_PORT), "--metrics-host", "0.0.0.0"]

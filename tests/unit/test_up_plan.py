@@ -3,7 +3,10 @@ configuration refuses settings that two components would disagree on."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,16 +20,18 @@ from pipeline import cli
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config, write_config, write_private
 from pipeline.dispatch.sources import parse_limit, parse_sources
 from pipeline.run.plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
-                              learner_child, rollstream, streams_child, with_metrics_port)
+                              learner_child, rollstream, command, streams_child, with_metrics_port)
 from streams.settings import StreamsSettings
 
 URLS = {"current": ["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "stale": ["http://127.0.0.1:8003"]}
 
 
 def _parse(child: Child) -> dict:
-    """Parses the child's arguments with the real rollstream command tree; returns the leaf's params."""
-    assert child.argv[1:3] == ("-m", "pipeline.cli")
-    command = typer.main.get_command(cli.app)
+    """Parses the child's arguments with the real command of the module it runs (pipeline.cli.<module>, or
+    the whole rollstream command tree for pipeline.cli); returns the leaf's params."""
+    assert child.argv[1] == "-m" and child.argv[2].startswith("pipeline.cli")
+    app = cli.app if child.argv[2] == "pipeline.cli" else importlib.import_module(child.argv[2]).app
+    command = typer.main.get_command(app)
     args = list(child.argv[3:])
     ctx = command.context_class(command, info_name="rollstream")
     while hasattr(command, "get_command"):  # a group (typer carries its own click: no isinstance check)
@@ -67,8 +72,21 @@ def test_every_child_serves_metrics_on_the_port_it_is_given_also_once_restarted(
 
 def test_an_engine_supervisor_takes_its_metrics_port_on_the_command_line():
     # pipeline/engine/launch.py passes --metrics-port to `rollstream engine`
-    engine = Child("engine", rollstream("engine", "--pool", "current", "--model", "m", "--metrics-port", "9300"))
+    engine = Child("engine", command("engine", "--pool", "current", "--model", "m", "--metrics-port", "9300"))
     assert _parse(engine)["metrics_port"] == 9300
+    assert _parse(Child("up", rollstream("up", "--run", "r1")))["run"] == "r1"
+
+
+def test_a_childs_process_imports_only_what_its_command_needs(cfg, tmp_path):
+    # The whole command line imports torch, transformers and vLLM: seconds of CPU per process, taken from
+    # the engines that start beside a run's children.
+    children = [streams_child(cfg, "r1", tmp_path, 6070), dispatcher_child(cfg, "r1", tmp_path)]
+    for child in children:
+        module = child.argv[2]
+        probe = (f"import sys, {module}; heavy = sorted(m for m in ('torch', 'transformers', 'vllm') if m in sys.modules);"
+                 " print(','.join(heavy))")
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+        assert done.stdout.strip() == "", (module, done.stdout)
 
 
 def test_settings_files_carry_each_components_whole_settings(cfg, tmp_path):
