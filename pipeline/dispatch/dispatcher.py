@@ -9,7 +9,7 @@ The planning is pipeline/dispatch/logic.py; this module does the I/O around it:
   newer than the batch's credit_version, and a streams/group_dropped metric releases its group (a
   dropped group never reaches a batch and would otherwise hold credit forever). A reader that stops
   reading a partition while events wait there (a broker restart can leave its consumer so) is
-  replaced by a fresh one from where it stopped (ProgressReader, STUCK_CHECK_S);
+  replaced by a fresh one from where it stopped (ProgressReader, schemas/assigned_reader.py);
 - an alert whose rule's action is pause (or stop) holds it: it sends nothing more, validation rounds
   included, while the work in flight finishes, until a resume (`rollstream alerts resume`) is read
   after it (streams/alerts.py RunHold). Reading `alerts` from its beginning, a restarted dispatcher is
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +33,7 @@ from pipeline.dispatch import logic
 from schemas import topics
 from schemas.bus import EventProducer, now_ms
 from schemas.codec import UndecodableEvent, codec
-from schemas.eventref import close_consumer
+from schemas.assigned_reader import STUCK_CHECK_S, AssignedReader
 from schemas.prometheus import serve_metrics
 from schemas.settings import KafkaSettings
 from streams.alerts import RunHold
@@ -78,29 +78,24 @@ class Progress:
                 if self.learner_version > credit or batch_id in self.skipped_batches for g in gids}
 
 
-def _consumer(kafka: KafkaSettings, names: Iterable[str], *, to_end: bool,
-              start: Mapping[tuple[str, int], int] | None = None,
-              ) -> tuple[Consumer, dict[tuple[str, int], int], dict[tuple[str, int], int]]:
-    """A group-less consumer of every partition of `names` from the beginning (or from `start`'s offset
-    where it has one); the ends of the partitions that hold events (when `to_end`), and where reading
-    starts in each."""
+def _consumer(kafka: KafkaSettings, name: str) -> tuple[Consumer, dict[tuple[str, int], int]]:
+    """A group-less consumer of every partition of topic `name` from the beginning, and the ends of the
+    partitions that hold events."""
     consumer = Consumer(kafka.as_confluent(**{
         "group.id": "rollstream-dispatch-reader", "enable.auto.commit": False,
         "fetch.message.max.bytes": kafka.message_max_bytes}))
-    parts, ends, starts = [], {}, {}
+    parts, ends = [], {}
     try:
-        for name in names:
-            for p in consumer.list_topics(name, timeout=10).topics[name].partitions:
-                low, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)
-                starts[(name, p)] = max(low, (start or {}).get((name, p), low))
-                parts.append(TopicPartition(name, p, starts[(name, p)]))
-                if to_end and high > low:
-                    ends[(name, p)] = high
+        for p in consumer.list_topics(name, timeout=10).topics[name].partitions:
+            low, high = consumer.get_watermark_offsets(TopicPartition(name, p), timeout=10)
+            parts.append(TopicPartition(name, p, low))
+            if high > low:
+                ends[(name, p)] = high
         consumer.assign(parts)
     except KafkaException:
         consumer.close()
         raise
-    return consumer, ends, starts
+    return consumer, ends
 
 
 def _decoded(msg: Any) -> dict[str, Any] | None:
@@ -114,7 +109,7 @@ def _decoded(msg: Any) -> dict[str, Any] | None:
 
 def _read_to_end(kafka: KafkaSettings, name: str, run: str, timeout_s: float) -> Iterator[dict[str, Any]]:
     """The run's events on topic `name`, read up to the end each partition had."""
-    consumer, ends, _ = _consumer(kafka, [name], to_end=True)
+    consumer, ends = _consumer(kafka, name)
     deadline = time.monotonic() + timeout_s
     try:
         while ends:
@@ -156,30 +151,27 @@ def read_hold(kafka: KafkaSettings, run: str, timeout_s: float = 60.0) -> RunHol
 
 
 PROGRESS_TOPICS = (topics.BATCHES, topics.WEIGHTS, topics.METRICS, topics.ALERTS)
-STUCK_CHECK_S = 30.0
-"""How often a ProgressReader checks that it still reads what its partitions hold. After a broker
-restart an assign()-mode consumer can keep metadata without a partition and read nothing of it for as
-long as it lives (bench chaos 2026-12-04: the dispatcher saw no trained batch after a restart, held its
-in-flight bound full and the run stood still). A partition that had events past what was read at one
-check and was not read any further by the next, or a check the consumer cannot answer, renews it."""
 
 
 class ProgressReader:
-    """Follows batches, weights, metrics and alerts for one run."""
+    """Follows batches, weights, metrics and alerts for one run, from the topics' beginning. A reader that
+    stops reading after a broker restart is renewed (schemas/assigned_reader.py): without it the
+    dispatcher saw no trained batch, held its in-flight bound full and the run stood still."""
 
     def __init__(self, kafka: KafkaSettings, run: str, hold: RunHold | None = None, *,
                  check_s: float = STUCK_CHECK_S) -> None:
         self.run = run
         self.progress = Progress(hold=hold or RunHold())  # alerts read again from the start count once (by id)
-        self._kafka, self._check_s = kafka, check_s
-        # per partition, where the consumer had read to at the last check (_note_positions)
-        self._consumer, _, self._read_to = _consumer(kafka, PROGRESS_TOPICS, to_end=False)
-        self._lagging: dict[tuple[str, int], int] = {}
-        self._checked = time.monotonic()
-        self.renewals = 0
+        self._reader = AssignedReader(kafka, PROGRESS_TOPICS, f"the progress reader of run {run}", check_s=check_s,
+                                      config={"group.id": "rollstream-dispatch-reader", "enable.auto.commit": False,
+                                              "fetch.message.max.bytes": kafka.message_max_bytes})
+
+    @property
+    def renewals(self) -> int:
+        return self._reader.renewals
 
     def poll(self, timeout: float) -> Progress:
-        for msg in self._consumer.consume(1000, timeout):
+        for msg in self._reader.consume(1000, timeout):
             e = _decoded(msg)
             if e is None or e["run"] != self.run:
                 continue
@@ -193,48 +185,13 @@ class ProgressReader:
                 self.progress.released.add(e["labels"]["group_id"])
             elif e["name"] == topics.BATCH_SKIPPED_METRIC and "batch_id" in e["labels"]:
                 self.progress.skipped_batches.add(e["labels"]["batch_id"])
-        if time.monotonic() - self._checked >= self._check_s:
-            self._check()
         return self.progress
 
-    def _check(self) -> None:
-        """Renews the consumer when a partition is stuck (STUCK_CHECK_S)."""
-        self._checked = time.monotonic()
-        try:
-            self._note_positions()
-            ends = {tp: self._consumer.get_watermark_offsets(TopicPartition(*tp), timeout=10, cached=False)[1]
-                    for tp in self._read_to}
-        except KafkaException as error:
-            self.renew(f"its broker did not answer ({error})")
-            return
-        stuck = logic.stuck_partitions(self._lagging, self._read_to, ends)
-        self._lagging = logic.lagging(self._read_to, ends)
-        if stuck:
-            self.renew(f"{', '.join(f'{t}[{p}]' for t, p in sorted(stuck))} had events past "
-                        f"what it read and were not read any further in {self._check_s:g} s")
-
-    def _note_positions(self) -> None:
-        """Where the consumer has read to, per partition (its position also steps over transaction
-        markers, which no message's offset shows); a partition not fetched yet keeps where reading began."""
-        for tp in self._consumer.position([TopicPartition(*tp) for tp in self._read_to]):
-            if tp.offset >= 0:
-                self._read_to[(tp.topic, tp.partition)] = tp.offset
-
     def renew(self, why: str = "asked to") -> None:
-        """A new consumer in place of the old one, from where the old one stopped reading."""
-        try:
-            self._note_positions()
-            fresh, _, self._read_to = _consumer(self._kafka, PROGRESS_TOPICS, to_end=False, start=self._read_to)
-        except KafkaException as error:  # the broker is still away: the next check tries again
-            log.warning("run %s: the progress reader could not be renewed (%s): %s", self.run, why, error)
-            return
-        old, self._consumer, self._lagging = self._consumer, fresh, {}
-        self.renewals += 1
-        log.warning("run %s: progress reader renewed: %s", self.run, why)
-        close_consumer(old, f"the old progress reader of run {self.run}")
+        self._reader.renew(why)
 
     def close(self) -> None:
-        self._consumer.close()
+        self._reader.close()
 
 
 def _send(producer: EventProducer, events: list[dict[str, Any]]) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import random
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -245,18 +245,3 @@ def validation_requests(run: str, sources: Sequence[TaskSource], group_size: int
     """The requests of one validation round over `sources` (also what `rollstream eval` sends)."""
     return [e for s in sources for i in range(s.count)
             for e in requests_for(run, Slot(s.task, s.split, i, round_), group_size, True, policy_version, now_ms)]
-
-
-def stuck_partitions(lagging_before: Mapping[tuple[str, int], int], read_to: Mapping[tuple[str, int], int],
-                     ends: Mapping[tuple[str, int], int]) -> set[tuple[str, int]]:
-    """Partitions a reader has not moved on since the last check although they had, and still have,
-    events past what it read: `lagging_before` is the last check's {partition: offset read to} of the
-    lagging ones, `read_to` the offsets read to now, `ends` the high watermarks now."""
-    return {tp for tp, before in lagging_before.items() if read_to.get(tp) == before and ends.get(tp, 0) > before}
-
-
-def lagging(read_to: Mapping[tuple[str, int], int], ends: Mapping[tuple[str, int], int]) -> dict[tuple[str, int], int]:
-    """{partition: offset read to} of the partitions with events past what was read (`read_to` holds
-    every partition followed: where reading started, until something was read)."""
-    return {tp: read_to[tp] for tp, end in ends.items() if tp in read_to and end > read_to[tp]}
-

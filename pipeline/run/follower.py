@@ -6,10 +6,11 @@ import logging
 import threading
 import time
 
-from confluent_kafka import Consumer, KafkaError, TopicPartition
+from confluent_kafka import KafkaError
 
 from pipeline.run.live_view import RunView
 from schemas import topics
+from schemas.assigned_reader import AssignedReader
 from schemas.codec import UndecodableEvent, codec
 from schemas.settings import KafkaSettings
 
@@ -28,21 +29,19 @@ class RunFollower(threading.Thread):
         self.view, self.lock, self._halt = view, threading.Lock(), threading.Event()
         self.undecodable = 0
         # librdkafka logs every refused connect (about 20 a second) while the broker restarts; the view
-        # rides through that without a word on the screen it shares.
-        self._consumer = Consumer(kafka.as_confluent(**{"group.id": f"rollstream-up-view.{view.run}",
-                                                        "enable.auto.commit": False, "logger": QUIET_CLIENT_LOG}))
-        wanted = []
-        for name in FOLLOWED:
-            meta = self._consumer.list_topics(name, timeout=10).topics[name]
-            wanted += [TopicPartition(name, p, since_ms) for p in meta.partitions]
-        found = self._consumer.offsets_for_times(wanted, timeout=10)
-        # A partition with nothing newer than since_ms answers -1: start at its end.
-        self._consumer.assign([TopicPartition(tp.topic, tp.partition, tp.offset if tp.offset >= 0 else -1)
-                               for tp in found])
+        # rides through that without a word on the screen it shares. A partition with nothing newer than
+        # since_ms is read from its end; a reader left reading nothing by a broker restart is renewed.
+        self._reader = AssignedReader(kafka, FOLLOWED, f"the run view of {view.run}", since_ms=since_ms,
+                                      config={"group.id": f"rollstream-up-view.{view.run}",
+                                              "enable.auto.commit": False, "logger": QUIET_CLIENT_LOG})
+
+    @property
+    def renewals(self) -> int:
+        return self._reader.renewals
 
     def run(self) -> None:
         while not self._halt.is_set():
-            for msg in self._consumer.consume(500, timeout=0.5):
+            for msg in self._reader.consume(500, timeout=0.5):
                 if msg.error() is not None:
                     if msg.error().code() != KafkaError._PARTITION_EOF:
                         self.undecodable += 1
@@ -54,7 +53,7 @@ class RunFollower(threading.Thread):
                     continue
                 with self.lock:
                     self.view.apply(msg.topic(), event, int(time.time() * 1000))
-        self._consumer.close()
+        self._reader.close()
 
     def stop(self) -> None:
         self._halt.set()

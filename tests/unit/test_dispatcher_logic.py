@@ -129,19 +129,3 @@ def test_validation_round_dispatches_every_sample_with_n_four():
 def test_a_split_used_for_training_and_validation_is_refused():
     with pytest.raises(ValueError, match="training and validation"):
         DispatcherSettings(sources=SOURCES, validation_sources=(SOURCES[0],))
-
-
-def test_a_partition_lagging_at_two_checks_without_moving_is_stuck():
-    a, b, c = ("batches", 0), ("weights", 0), ("metrics", 3)
-    ends = {a: 10, b: 5, c: 7}
-    before = logic.lagging({a: 4, b: 5, c: 2}, ends)
-    assert before == {a: 4, c: 2}  # b is read to its end
-    # a did not move although events wait; c moved on; b is still at its end
-    assert logic.stuck_partitions(before, {a: 4, b: 5, c: 6}, ends) == {a}
-    # events written to b since are no reason: it was not lagging at the last check
-    assert logic.stuck_partitions(before, {a: 10, b: 5, c: 7}, {a: 10, b: 9, c: 7}) == set()
-
-
-def test_a_partition_not_followed_is_never_lagging_or_stuck():
-    assert logic.lagging({}, {("batches", 0): 3}) == {}
-    assert logic.stuck_partitions({("batches", 0): 1}, {}, {("batches", 0): 3}) == set()

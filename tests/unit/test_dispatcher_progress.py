@@ -45,9 +45,8 @@ class _StubConsumer:
 
 
 def _reader(batches: list[list[_Message]], hold: RunHold | None = None) -> ProgressReader:
-    reader = ProgressReader.__new__(ProgressReader)  # no Kafka client: the stub stands in for it
-    reader.run, reader.progress, reader._consumer = "r", Progress(hold=hold or RunHold()), _StubConsumer(batches)
-    reader._read_to, reader._check_s, reader._checked = {}, float("inf"), 0.0  # never checked for stuck partitions
+    reader = ProgressReader.__new__(ProgressReader)  # no Kafka client: the stub stands in for its reader
+    reader.run, reader.progress, reader._reader = "r", Progress(hold=hold or RunHold()), _StubConsumer(batches)
     return reader
 
 
