@@ -45,7 +45,7 @@ from learner.step import make_optimizer, train_step
 from pipeline.bench.baselines import copy_baseline
 from pipeline.bench.learner import synthetic_batch
 from pipeline.bench.rollout import RANDOM_LARGE, engine_for, random_large_checkpoint
-from pipeline.bench.weights_logic import setting_summary, update_summary, version_row
+from pipeline.bench.weights_logic import engine_split, setting_summary, update_summary, version_row
 from pipeline.engine.updates import EngineControl, download_version
 from pipeline.policy.model_init import PolicyModelSettings, init_model
 from pipeline.run.config import load_config
@@ -218,9 +218,13 @@ def _engine_updates(cfg, model_dir: Path, events: list[dict[str, Any]], full_byt
                 time.sleep(0.01)
             served.append(time.perf_counter() - started)
             say(f"engine serves version {event['version']} {served[-1]:.2f} s after its event")
+    split = engine_split(server.log_path.read_text(errors="replace"))  # read once the engine stopped: all of it
+    for row in split:
+        say(f"engine applied version {row['version']} in memory: download {row['download_s']:.2f} s, drain "
+            f"{row['drain_s']:.2f} s, apply {row['apply_s']:.2f} s, load {row['load_s']:.2f} s")
     # The first delta is rebuilt from the snapshot (the engine held none of the chain): reported, not in the median.
     summary = update_summary(full_bytes, served[1:] or served, base)
-    return {**summary, "first_s": served[0], "baseline": base}
+    return {**summary, "first_s": served[0], "baseline": base, "engine_split": split}
 
 
 def _print(report: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ bandwidth / bandwidth, so 1.0 means the update costs what copying the version co
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,3 +51,16 @@ def update_summary(full_bytes: int, served_s: Sequence[float], base: Mapping[str
     median = statistics.median(served_s)
     return {"versions": len(served_s), "served_s": [round(s, 3) for s in served_s], "median_s": median,
             "mb_per_s": mb_per_s(full_bytes, median), "ratio": base["seconds"] / median if median > 0 else 0.0}
+
+
+IN_MEMORY_LINE = re.compile(r"loaded version (\d+) from MinIO in memory .*?: download ([\d.]+) s, drain ([\d.]+) s, "
+                            r"apply ([\d.]+) s, load ([\d.]+) s")
+"""The line the engine supervisor logs for each version it applies in memory (pipeline/engine/supervisor.py)."""
+
+
+def engine_split(log_text: str) -> list[dict[str, Any]]:
+    """Per version the engine applied in memory, where its time went (download, drain, apply with the
+    sha256 checks, vLLM's load), read from the engine's log; versions rebuilt on disk have no line."""
+    return [{"version": int(m[1]), "download_s": float(m[2]), "drain_s": float(m[3]), "apply_s": float(m[4]),
+             "load_s": float(m[5])} for m in IN_MEMORY_LINE.finditer(log_text)]
+

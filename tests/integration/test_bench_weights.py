@@ -30,4 +30,6 @@ def test_scaled_down_bench_weights_stages_deltas_that_a_late_joiner_and_an_engin
     update = report["update"]
     assert len(update["served_s"]) == 1 and update["first_s"] > 0  # version 1 from the snapshot, version 2 followed
     assert report["ratio"] == update["ratio"] > 0
+    # version 2 was applied in memory on the version the worker held, and the engine's log said where its time went
+    assert [row["version"] for row in update["engine_split"]][-1:] == [2], update["engine_split"]
     assert update["baseline"]["bytes"] == settings[("bfloat16", 1e-6)]["versions"][0]["full_bytes"]
