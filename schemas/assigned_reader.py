@@ -59,6 +59,7 @@ class AssignedReader:
         self._consumer, self._read_to = self._open(since_ms=since_ms)
         self._lagging: dict[Partition, int] = {}
         self._checked = time.monotonic()
+        self._asked: str | None = None  # a renewal asked for from another thread (ask_renewal)
 
     def _open(self, *, since_ms: int | None = None, start: Mapping[Partition, int] | None = None,
               ) -> tuple[Consumer, dict[Partition, int]]:
@@ -82,11 +83,19 @@ class AssignedReader:
         return consumer, read_to
 
     def consume(self, num_messages: int, timeout: float) -> list[Message]:
-        """What the consumer hands out, then the check when one is due."""
+        """What the consumer hands out, then the check when one is due (or the renewal asked for)."""
         messages = self._consumer.consume(num_messages, timeout)
-        if time.monotonic() - self._checked >= self._check_s:
+        asked, self._asked = self._asked, None
+        if asked is not None:
+            self.renew(asked)
+        elif time.monotonic() - self._checked >= self._check_s:
             self.check()
         return messages
+
+    def ask_renewal(self, why: str) -> None:
+        """Renews the consumer at the next consume, on the thread that consumes: a librdkafka consumer
+        is not to be called from a second thread while it consumes (its position() then waits for ever)."""
+        self._asked = why
 
     def check(self) -> None:
         """Renews the consumer when a partition is stuck or the broker does not answer."""
@@ -112,8 +121,8 @@ class AssignedReader:
                 self._read_to[(tp.topic, tp.partition)] = tp.offset
 
     def renew(self, why: str = "asked to") -> None:
-        """A new consumer in place of the old one, from where the old one had read to. While the broker
-        is still away nothing changes and the next check tries again."""
+        """A new consumer in place of the old one, from where the old one had read to (on the thread that
+        consumes). While the broker is still away nothing changes and the next check tries again."""
         try:
             self._note_positions()
             fresh, read_to = self._open(start=self._read_to)

@@ -39,6 +39,10 @@ class RunFollower(threading.Thread):
     def renewals(self) -> int:
         return self._reader.renewals
 
+    def renew_reader(self, why: str) -> None:
+        """Its reader renewed by the follower's own thread, at its next read."""
+        self._reader.ask_renewal(why)
+
     def run(self) -> None:
         while not self._halt.is_set():
             for msg in self._reader.consume(500, timeout=0.5):

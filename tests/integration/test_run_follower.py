@@ -39,8 +39,11 @@ def test_a_renewed_run_view_follows_on_from_where_the_old_reader_stopped(infra):
         producer.send(topics.WEIGHTS, weights(run, 1), key=run)
         producer.flush()
         _wait_for_version(follower, 1, "version 1 not read")
-        follower._reader.renew("the test asks")
-        assert follower.renewals == 1
+        follower.renew_reader("the test asks")
+        deadline = time.monotonic() + 20
+        while follower.renewals < 1:
+            assert time.monotonic() < deadline, "the reader was not renewed"
+            time.sleep(0.2)
         producer.send(topics.WEIGHTS, weights(run, 2), key=run)
         producer.flush()
         _wait_for_version(follower, 2, "version 2 not read by the renewed reader")

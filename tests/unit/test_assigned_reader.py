@@ -51,7 +51,7 @@ class _Consumer:
 def _reader(consumer: _Consumer, read_to: dict, opened: list, broker_back: bool = True) -> AssignedReader:
     reader = AssignedReader.__new__(AssignedReader)  # no Kafka client: the stubs stand in for it
     reader.what, reader.renewals, reader._check_s, reader._checked, reader._lagging = "the test reader", 0, 30.0, 0.0, {}
-    reader._consumer, reader._read_to = consumer, dict(read_to)
+    reader._consumer, reader._read_to, reader._asked = consumer, dict(read_to), None
 
     def _open(*, since_ms=None, start=None):
         if not broker_back:
@@ -93,3 +93,14 @@ def test_a_broker_that_does_not_answer_renews_and_a_renewal_that_fails_keeps_the
     reader._open = _reader(old, {A: 0}, opened)._open  # the broker is back
     reader.check()
     assert reader.renewals == 1 and opened == [{A: 4}] and old.closed
+
+
+def test_a_renewal_asked_for_from_another_thread_happens_at_the_next_consume():
+    old, opened = _Consumer({A: 4}, {A: 4}), []
+    reader = _reader(old, {A: 0}, opened)
+    reader.ask_renewal("asked")
+    assert reader.renewals == 0 and not old.closed  # nothing happens on the asking thread
+    reader.consume(10, 0)
+    assert reader.renewals == 1 and opened == [{A: 4}] and old.closed
+    reader.consume(10, 0)
+    assert reader.renewals == 1
