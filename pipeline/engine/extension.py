@@ -151,7 +151,8 @@ class WeightUpdateExtension:
             for manifest, shards in links:
                 if manifest.base_version != version:
                     raise ValueError(f"delta {manifest.version} is on version {manifest.base_version}, not {version}")
-                tensors, checksums = apply_delta(tensors, manifest, shards, base_checksums=checksums)
+                tensors, checksums = apply_delta(tensors, manifest, shards, base_checksums=checksums,
+                                                 workers=len(os.sched_getaffinity(0)))
                 version = manifest.version
         except Exception as error:  # noqa: BLE001 - nothing was loaded: the old version stays
             return {"ok": False, "error": f"delta refused: {error}", "held_version": held.version if held else None}

@@ -45,6 +45,15 @@ REFUSALS = (ShardIntegrityError, UpdateRefused, S3Error, httpx.HTTPError, ValueE
 STOP_FLUSH_S = 10.0
 
 
+KEEP_FREED_MEMORY = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=68719476736"
+"""glibc malloc serves every block from its heap, in transparent huge pages, and never trims it. A weight update
+allocates and frees the model's size in large tensors (the applied delta, vLLM's re-materialized layers and
+their kernel-format copies); by default each is a fresh mmap whose 4 KiB pages the kernel zero-fills on first
+touch, and each freed one goes back at once, so every update pays the page faults again. With this the next
+update reuses the memory the last one freed (docs/BENCHMARKS.md, "bench weights": it halved vLLM's reload).
+The cost: the process keeps its peak memory after an update instead of returning to its resting size."""
+
+
 class EngineSettings(BaseModel):
     """One engine process."""
 
@@ -68,11 +77,15 @@ class EngineSettings(BaseModel):
     more copy of the weights per worker), so a delta version is applied there and loaded without being rebuilt
     on disk (not in the paper; pipeline/engine/updates.py). False rebuilds every delta version on disk."""
     kv_cache_space_gib: int = 1
+    """vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's CPU default share of memory refuses to start on small hosts."""
     cpus: Annotated[str, AfterValidator(valid_binding)] = AUTO
     """Cores the vLLM worker's threads are bound to (VLLM_CPU_OMP_THREADS_BIND; CPU engines only): auto (vLLM's
     choice: every core but one, the same for every engine on the host), nobind, or a list such as 0-3,6
     (`rollstream up` gives each engine of a host its own: pipeline/engine/cpus.py)."""
-    """vLLM CPU KV cache (VLLM_CPU_KVCACHE_SPACE); vLLM's CPU default share of memory refuses to start on small hosts."""
+    glibc_tunables: str = KEEP_FREED_MEMORY
+    """GLIBC_TUNABLES of the vLLM server (not in the paper; empty: whatever the environment has). The default keeps
+    the memory a weight update frees inside the process, for the next update to reuse, instead of giving every
+    large block back to the kernel and faulting it in again page by page (see KEEP_FREED_MEMORY)."""
     start_timeout_s: float = 600.0
     """How long the server may take to become healthy (about 40-55 s on 2 CPU cores)."""
     metrics_port: MetricsPort = None
@@ -105,7 +118,8 @@ class WeightFollower:
         event = self._consumer.poll(timeout_s)
         while event is not None:
             events.append(event)
-            event = self._consumer.poll(0.2)
+            # What already arrived, without waiting: an update should not wait for events that may never come.
+            event = self._consumer.poll(0.0)
         if not events:
             return
         announced = {e.value["version"]: e.value for e in events if e.value["run"] == self._run}
@@ -219,6 +233,8 @@ def server_environment(inherited: Mapping[str, str], settings: EngineSettings, j
     if settings.cpus != AUTO:  # an explicit binding wins over an inherited one; auto leaves the environment's
         env["VLLM_CPU_OMP_THREADS_BIND"] = settings.cpus
     env[HOLD_WEIGHTS_ENV] = "1" if settings.hold_weights else "0"
+    if settings.glibc_tunables:
+        env["GLIBC_TUNABLES"] = settings.glibc_tunables
     return env
 
 

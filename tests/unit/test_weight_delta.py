@@ -54,7 +54,7 @@ def test_applying_a_delta_gives_the_new_version_bit_for_bit(dtype):
         previous = _random_version(generator, dtype)
         new = _step(previous, generator, scale=[1e-6, 1e-4, 1e-2, 1.0][case % 4])
         manifest, shards = _delta(previous, new, max_shard_bytes=[64, 1 << 20][case % 2])
-        rebuilt, checksums = apply_delta(previous, manifest, shards)
+        rebuilt, checksums = apply_delta(previous, manifest, shards, workers=[1, 3][case // 2 % 2])
         assert list(rebuilt) == list(new)
         for name in new:
             assert _same_bytes(rebuilt[name], new[name]), (case, name)
@@ -135,8 +135,9 @@ def test_a_delta_whose_result_differs_from_the_manifest_is_refused():
     right, right_shards = _delta(previous, {"w": previous["w"] * 1.001})
     other, other_shards = _delta(previous, {"w": previous["w"] * 1.002})
     forged = right.model_copy(update={"shards": other.shards})
-    with pytest.raises(ShardIntegrityError, match="tensor w has sha256 .* after applying the delta"):
-        apply_delta(previous, forged, other_shards)
+    for workers in (1, 2):
+        with pytest.raises(ShardIntegrityError, match="tensor w has sha256 .* after applying the delta"):
+            apply_delta(previous, forged, other_shards, workers=workers)
     # The right delta on the wrong base is refused the same way.
     with pytest.raises(ShardIntegrityError, match="after applying the delta"):
         apply_delta({"w": previous["w"] + 1}, right, right_shards)
@@ -222,3 +223,17 @@ def test_weights_are_converted_once_to_the_served_dtype_and_integers_are_left_al
     served = served_tensors(tensors, "bfloat16")
     assert (served["w"].dtype, served["ids"].dtype) == (torch.bfloat16, torch.int64)
     assert served_tensors(tensors, None)["w"] is tensors["w"]
+
+
+@pytest.mark.parametrize("length", [15, 17])
+def test_a_change_that_is_not_the_tensors_size_is_refused(length):
+    import zstandard
+
+    from learner.delta import apply_change
+
+    base = torch.zeros(4, dtype=torch.float32)  # 16 bytes
+    change = zstandard.ZstdCompressor().compress(bytes(length))
+    with pytest.raises(ShardIntegrityError, match="bytes for a tensor of 16"):
+        apply_change(base, change, zstandard.ZstdDecompressor())
+    with pytest.raises(ShardIntegrityError, match="undecodable change"):
+        apply_change(base, b"not zstd", zstandard.ZstdDecompressor())
