@@ -9,9 +9,10 @@ import json
 
 import pytest
 import torch
+import zstandard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from learner.delta import apply_delta, catch_up_plan, encode_delta
+from learner.delta import apply_change, apply_delta, catch_up_plan, encode_delta
 from learner.manifest import ShardIntegrityError, decode_version, tensor_sha256
 from learner.publish import VersionStager, served_tensors, tied_aliases, without_aliases
 from schemas.weight_layout import MANIFEST_FILE, WeightManifest
@@ -227,10 +228,6 @@ def test_weights_are_converted_once_to_the_served_dtype_and_integers_are_left_al
 
 @pytest.mark.parametrize("length", [15, 17])
 def test_a_change_that_is_not_the_tensors_size_is_refused(length):
-    import zstandard
-
-    from learner.delta import apply_change
-
     base = torch.zeros(4, dtype=torch.float32)  # 16 bytes
     change = zstandard.ZstdCompressor().compress(bytes(length))
     with pytest.raises(ShardIntegrityError, match="bytes for a tensor of 16"):
