@@ -102,12 +102,16 @@ def _family_splits(option: str, pairs: list[str], names: tuple[str, ...]) -> dic
     return splits
 
 
-def _check_paths(names: tuple[str, ...], families: str, model: Path, out: Path, force: bool) -> None:
+def _check_inputs(names: tuple[str, ...], families: str, model: Path) -> None:
     unknown = [name for name in names if name not in TRAIN_SPLITS]
     if not names or unknown:
         fail(f"unknown families {unknown or families!r}; known: {', '.join(TRAIN_SPLITS)}")
     if not (model / "config.json").is_file() or not (model / "tokenizer_config.json").is_file():
         fail(f"{model} is not a checkpoint directory (config.json and tokenizer_config.json)")
+
+
+def _check_paths(names: tuple[str, ...], families: str, model: Path, out: Path, force: bool) -> None:
+    _check_inputs(names, families, model)
     if out.resolve() == model.resolve():
         fail("--out must differ from --model")
     if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not force)):
@@ -127,6 +131,9 @@ def sft(
     micro_tokens: int = typer.Option(SftSettings().max_tokens_per_micro_batch, "--micro-batch-tokens",
                                      help="Token budget of one micro-batch."),
     seed: int = typer.Option(SftSettings().seed, "--seed", help="Seed of the demonstration order."),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0,
+                                         help="Also write a checkpoint after every N steps, to OUT/steps/NNNNNN "
+                                              "(0: only the final one); `model eval` measures each."),
     eval_episodes: int = typer.Option(EvalSettings().episodes, "--eval-episodes",
                                       help="Held-out rollouts per family (0: no evaluation)."),
     split: list[str] = typer.Option([], "--split", help="FAMILY=SPLIT the family's demonstrations come from "
@@ -174,7 +181,8 @@ def sft(
     demos_s = time.perf_counter() - started
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else encoder.eos_token_id
     report: dict[str, Any] = {"model": str(model), "out": str(out), "families": built, "demonstrations": len(demos),
-                              **fine_tune(model, out, demos, settings, pad, quiet), "demonstrations_s": round(demos_s, 2)}
+                              **fine_tune(model, out, demos, settings, pad, quiet, checkpoint_every),
+                              "demonstrations_s": round(demos_s, 2)}
     if evaluation.episodes:
         try:
             report["eval"] = evaluate(out, names, evaluation, encoder, envs, quiet)
@@ -187,19 +195,65 @@ def sft(
         _print_report(report)
 
 
+@app.command("eval")
+def eval_(
+    model: Path = typer.Option(..., "--model", help="Checkpoint directory to measure."),
+    families: str = typer.Option(",".join(SftSettings().families), "--families", help="Comma-separated families."),
+    eval_episodes: int = typer.Option(EvalSettings().episodes, "--eval-episodes", min=1,
+                                      help="Held-out rollouts per family."),
+    eval_split: list[str] = typer.Option([], "--eval-split", help="FAMILY=SPLIT the family's success is measured "
+                                         "on (repeatable). Default: " +
+                                         ", ".join(f"{k}={v}" for k, v in EvalSettings().splits.items())),
+    config: ConfigOption = None,
+    quiet: QuietOption = False,
+    as_json: JsonOption = False,
+) -> None:
+    """Measure a checkpoint's success per family by real rollouts against a vLLM engine serving it, as
+    `model sft` does after training (same held-out samples, temperature 0.8); e.g. each of the
+    checkpoints `model sft --checkpoint-every` wrote.
+
+    Example: rollstream model eval --model .run/models/default --families calc --eval-episodes 64 --json
+    """
+    envs = load_config(config).envs
+    names = tuple(name for name in families.split(",") if name)
+    _check_inputs(names, families, model)
+    evaluation = EvalSettings(episodes=eval_episodes, splits=_family_splits("--eval-split", eval_split, names))
+    started = time.perf_counter()
+    try:
+        encoder = ChatEncoder(AutoTokenizer.from_pretrained(model))
+    except ValueError as error:
+        fail(f"{model}: {error}")
+    try:
+        result = evaluate(model, names, evaluation, encoder, envs, quiet)
+    except RuntimeError as error:  # the engine did not come up
+        fail(f"{model}: evaluation failed: {error}", CHECK_FAILED)
+    report = {"model": str(model), "eval": result, "total_s": round(time.perf_counter() - started, 2)}
+    if as_json:
+        typer.echo(json.dumps(report))
+    else:
+        _print_eval(Console(), result)
+        Console().print(f"total {report['total_s']:.0f} s")
+
+
 def _print_report(report: dict[str, Any]) -> None:
     console = Console()
     console.print(f"{report['demonstrations']} demonstrations, {report['steps']} steps in {report['train_s']:.0f} s: "
                   f"loss {report['first_loss']:.3f} -> {report['last_loss']:.3f}; checkpoint in {report['out']}")
+    for checkpoint in report.get("checkpoints", []):
+        console.print(f"  step {checkpoint['step']}: loss {checkpoint['loss']:.3f}, checkpoint in {checkpoint['path']}")
     evaluation = report.get("eval")
     if evaluation:
-        table = Table(title=f"success by real rollouts ({evaluation['episodes_per_family']} held-out episodes per "
-                            f"family, temperature {evaluation['temperature']})")
-        for column in ("family", "split", "episodes", "success rate", "mean reward", "statuses"):
-            table.add_column(column)
-        for row in evaluation["table"]:
-            table.add_row(row["family"], evaluation["split"].get(row["family"], ""), str(row["episodes"]),
-                          f"{row['success_rate']:.0%}", f"{row['mean_reward']:.3f}",
-                          ", ".join(f"{k} {v:.0%}" for k, v in row["statuses"].items()))
-        console.print(table)
+        _print_eval(console, evaluation)
     console.print(f"total {report['total_s']:.0f} s")
+
+
+def _print_eval(console: Console, evaluation: dict[str, Any]) -> None:
+    table = Table(title=f"success by real rollouts ({evaluation['episodes_per_family']} held-out episodes per "
+                        f"family, temperature {evaluation['temperature']})")
+    for column in ("family", "split", "episodes", "success rate", "mean reward", "statuses"):
+        table.add_column(column)
+    for row in evaluation["table"]:
+        table.add_row(row["family"], evaluation["split"].get(row["family"], ""), str(row["episodes"]),
+                      f"{row['success_rate']:.0%}", f"{row['mean_reward']:.3f}",
+                      ", ".join(f"{k} {v:.0%}" for k, v in row["statuses"].items()))
+    console.print(table)

@@ -66,18 +66,33 @@ def collect_demonstrations(settings: SftSettings, envs: EnvSettings, encoder: Ch
     return demos, built
 
 
+def checkpoint_dir(out: Path, step: int) -> Path:
+    """Where `fine_tune(checkpoint_every=...)` writes the checkpoint after `step` optimizer steps."""
+    return out / "steps" / f"{step:06d}"
+
+
 def fine_tune(model: Path, out: Path, demos: list[Demonstration], settings: SftSettings, pad: int,
-              quiet: bool) -> dict[str, Any]:
+              quiet: bool, checkpoint_every: int = 0) -> dict[str, Any]:
     """Fine-tunes `model` on `demos` in float32 (the CPU engine serves float32), writes the checkpoint to
-    `out`, and returns the training's part of the report."""
+    `out`, and returns the training's part of the report. With `checkpoint_every` N > 0 it also writes a
+    servable checkpoint after every N optimizer steps (`checkpoint_dir`), so that one run can be evaluated
+    at several points of its schedule (`rollstream model eval`)."""
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     per_family = Counter(d.family for d in demos).values()
     steps = settings.epochs * sum(-(-count // settings.batch_size) for count in per_family)
     bar = progress_bar(steps, "sft", "step", quiet)
 
+    written: list[dict[str, Any]] = []
+    recent: list[float] = []
+
     def on_step(step: int, loss: float) -> None:
         bar.set_postfix(loss=f"{loss:.3f}", refresh=False)  # refresh=True would redraw every step, ignoring mininterval
         bar.update()
+        recent.append(loss)
+        if checkpoint_every and (step + 1) % checkpoint_every == 0 and step + 1 < steps:
+            save_checkpoint(policy, model, checkpoint_dir(out, step + 1))
+            written.append({"step": step + 1, "path": str(checkpoint_dir(out, step + 1)),
+                            "loss": float(np.mean(recent[-checkpoint_every:]))})
 
     started = time.perf_counter()
     losses = train(policy, demos, settings, pad, np.random.default_rng(settings.seed), on_step)
@@ -86,7 +101,8 @@ def fine_tune(model: Path, out: Path, demos: list[Demonstration], settings: SftS
     save_checkpoint(policy, model, out)
     first, last = loss_window(losses)
     return {"steps": len(losses), "epochs": settings.epochs, "batch_size": settings.batch_size, "lr": settings.lr,
-            "first_loss": first, "last_loss": last, "train_s": round(train_s, 2)}
+            "first_loss": first, "last_loss": last, "train_s": round(train_s, 2),
+            **({"checkpoints": written} if checkpoint_every else {})}
 
 
 def evaluate(out: Path, names: tuple[str, ...], evaluation: EvalSettings, encoder: ChatEncoder, envs: EnvSettings,

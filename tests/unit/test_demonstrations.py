@@ -213,3 +213,13 @@ def test_sft_rejects_samples_that_leave_a_family_without_a_count_in_one_line(tmp
                                       "--families", "calc,kg", "--samples", "calc=8"])
     assert result.exit_code == 2
     assert result.output.strip().splitlines() == ["rollstream model sft: --samples names no count for kg"]
+
+
+def test_model_eval_refuses_a_directory_without_a_checkpoint_or_an_unknown_family_in_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["eval", "--model", str(tmp_path)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"rollstream model eval: {tmp_path} is not a checkpoint directory (config.json and tokenizer_config.json)"]
+    result = CliRunner().invoke(app, ["eval", "--model", str(tmp_path), "--families", "chess"])
+    assert result.output.strip().splitlines() == [
+        "rollstream model eval: unknown families ['chess']; known: calc, db, kg, os, webshop, alfworld, python"]
