@@ -141,7 +141,7 @@ class _Record:
 
 
 @dataclass
-class _Ending:
+class Ending:
     status: Status
     termination: str
     env_reward: float = 0.0
@@ -206,8 +206,9 @@ class TurnRecord:
         }
 
 
-class _Loop:
-    """State of one rollout; `run` drives it."""
+class Loop:
+    """State of one rollout (the token record, the history, the turns and step events, the metrics);
+    `run_agent_loop` drives it against an environment, env_workers/proxy.py for an agent of its own."""
 
     def __init__(
         self,
@@ -244,10 +245,13 @@ class _Loop:
 
     # --- one turn's engine call -----------------------------------------------------------------
 
-    async def generate(self, planned: str, max_new: int) -> tuple[str, Generation] | str:
-        """(pool used, generation), or the last error once retries are spent. The record is only read."""
+    async def generate(self, planned: str, max_new: int, prompt_ids: Sequence[int] | None = None
+                       ) -> tuple[str, Generation] | str:
+        """(pool used, generation) after `prompt_ids` (default: the record), or the last error once retries
+        are spent. The record is only read."""
         error = "no attempt"
-        prompt = tuple(self.record.ids)  # the same prompt tokens on every retry, whatever an engine does
+        # the same prompt tokens on every retry, whatever an engine does
+        prompt = tuple(self.record.ids if prompt_ids is None else prompt_ids)
         for attempt in range(self.settings.engine_retries + 1):
             try:
                 pool, engine = self.pick_engine(planned)
@@ -359,16 +363,16 @@ class _Loop:
         self.history.append({"role": "assistant", "content": self.encoder.decode(content_ids)})
         return sampled
 
-    async def turns_until_end(self, env: Environment, session: Any) -> _Ending:
+    async def turns_until_end(self, env: Environment, session: Any) -> Ending:
         settings = self.settings
         reserve = len(self.encoder.assistant_close)
         for turn in range(self.max_turns):
             room = settings.max_total_len - len(self.record.ids) - reserve
             if room <= 0:
-                return _Ending(Status.AGENT_CONTEXT_LIMIT, MAX_TOTAL_LEN)
+                return Ending(Status.AGENT_CONTEXT_LIMIT, MAX_TOTAL_LEN)
             sampled = await self.sample_turn(turn, room)
             if isinstance(sampled, str):
-                return _Ending(Status.TASK_ERROR, ENGINE_ERROR, error=sampled)
+                return Ending(Status.TASK_ERROR, ENGINE_ERROR, error=sampled)
             if settings.step_latency.enabled:  # a benchmark's slow environment, paid on every turn
                 await self.sleep(step_delay_s(settings.step_latency, self.id, turn))
 
@@ -378,7 +382,7 @@ class _Loop:
                 self.count_valid_calls(parsed)
                 if settings.noncanonical_turns == "end":  # the step records no parse: the turn is not a message
                     self.add_turn(TurnRecord(sampled, Status.AGENT_VALIDATION_FAILED, finish=True))
-                    return _Ending(Status.AGENT_VALIDATION_FAILED, INVALID_OUTPUT)
+                    return Ending(Status.AGENT_VALIDATION_FAILED, INVALID_OUTPUT)
 
             env_started = self.clock()
             if parsed.error is not None:
@@ -393,7 +397,7 @@ class _Loop:
                     log.exception("trajectory %s: environment failed", self.id)
                     self.add_turn(TurnRecord(sampled, Status.TASK_ERROR, finish=True, parsed=parsed,
                                              env_ms=(self.clock() - env_started) * 1000.0))
-                    return _Ending(Status.TASK_ERROR, ENV_ERROR, error=repr(error))
+                    return Ending(Status.TASK_ERROR, ENV_ERROR, error=repr(error))
                 self.env_metrics = {k: float(v) for k, v in observation.metrics.items()}
                 # Bounded before anything encodes them (control tokens, invalid text: ChatEncoder.encode).
                 new_messages = [dict(bounded(m, settings.max_env_output_chars)) for m in observation.messages]
@@ -403,22 +407,22 @@ class _Loop:
 
             if finish:
                 self.add_turn(outcome(finish=True))
-                return _Ending(status, ENV_ERROR if status == Status.TASK_ERROR else ENV_FINISHED, env_reward=reward)
+                return Ending(status, ENV_ERROR if status == Status.TASK_ERROR else ENV_FINISHED, env_reward=reward)
             if turn == self.max_turns - 1:
                 # No turn follows: the policy would never read the answer, so it is not recorded.
                 self.add_turn(outcome(finish=False))
-                return _Ending(Status.TASK_LIMIT_REACHED, MAX_TURNS)
+                return Ending(Status.TASK_LIMIT_REACHED, MAX_TURNS)
             delta = self.encoder.extension(self.text_ids, [*self.history, *new_messages], self.tools, True)
             if len(self.record.ids) + len(delta) > settings.max_total_len:
                 self.add_turn(outcome(finish=False))
-                return _Ending(Status.AGENT_CONTEXT_LIMIT, MAX_TOTAL_LEN)
+                return Ending(Status.AGENT_CONTEXT_LIMIT, MAX_TOTAL_LEN)
             self.record.add_context(delta)
             self.text_ids += delta
             self.history.extend(new_messages)
             self.add_turn(outcome(finish=False, env_tokens=len(delta)))
-        return _Ending(Status.TASK_LIMIT_REACHED, MAX_TURNS)
+        return Ending(Status.TASK_LIMIT_REACHED, MAX_TURNS)
 
-    def trajectory(self, ending: _Ending, worker_id: str, started: float, finished: float) -> dict[str, Any]:
+    def trajectory(self, ending: Ending, worker_id: str, started: float, finished: float) -> dict[str, Any]:
         request = self.request
         punished = ending.status in self.settings.punished_statuses  # never completed or task_error
         reward = self.settings.incomplete_punishment if punished else ending.env_reward
@@ -458,7 +462,7 @@ async def run_agent_loop(
     its turn finishes. Never raises for policy, engine or environment failures; raises
     TemplatePrefixError for a chat template the loop cannot use, after closing the session.
     """
-    loop = _Loop(task, encoder, pick_engine, settings, clock, sleep, on_step)
+    loop = Loop(task, encoder, pick_engine, settings, clock, sleep, on_step)
     started = clock()
     session = None
     try:
@@ -466,7 +470,7 @@ async def run_agent_loop(
             session = await env.start(sample)
         except Exception as error:
             log.exception("trajectory %s: environment failed to start", loop.id)
-            ending = _Ending(Status.TASK_ERROR, ENV_ERROR, error=repr(error))
+            ending = Ending(Status.TASK_ERROR, ENV_ERROR, error=repr(error))
         else:
             loop.history, loop.tools = list(session.messages), list(session.tools)
             prompt = encoder.encode(loop.history, loop.tools, add_generation_prompt=True)

@@ -20,6 +20,7 @@ from pydantic import PositiveInt, BaseModel, ConfigDict, Field, SecretStr, Valid
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from env_workers.envs.base import EnvSettings
+from env_workers.proxy_settings import ProxySettings
 from env_workers.settings import AgentLoopSettings
 from learner.settings import LearnerSettings
 from schemas.settings import KafkaSettings, ObjectStoreSettings
@@ -150,6 +151,8 @@ class RollstreamConfig(BaseSettings):
     """Rollout workers."""
     agent_loop: AgentLoopSettings = AgentLoopSettings()
     """Per-trajectory limits and sampling (max_turns 20, max_total_len 8192, temperature 0.8, ...)."""
+    proxy: ProxySettings = ProxySettings()
+    """`rollstream proxy`, the recording proxy for agents of one's own: address, re-encoding rule (prefix)."""
     mix: MixSettings = MixSettings()
     """Training and validation tasks."""
     envs: EnvSettings = EnvSettings()
