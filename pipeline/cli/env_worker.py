@@ -11,6 +11,7 @@ import logging
 import os
 import socket
 import sys
+from pathlib import Path
 
 import typer
 from pydantic import ValidationError
@@ -32,6 +33,17 @@ def parse_engines(specs: list[str]) -> dict[str, list[str]]:
             raise ValueError(f"--engine must be current=URL or stale=URL, got {spec!r}")
         engines.setdefault(pool, []).append(url)
     return engines
+
+
+def policy_engines(model: Path, specs: list[str]) -> dict[str, list[str]]:
+    """--model and --engine of a process that samples from the run's engines (env-worker, proxy): the model
+    must hold the tokenizer, the engines parse; each a one-line error."""
+    if not (model / "tokenizer_config.json").exists():
+        fail(f"{model} is not a checkpoint directory with a tokenizer")
+    try:
+        return parse_engines(specs)
+    except ValueError as error:
+        fail(str(error))
 
 
 def env_worker(
@@ -61,12 +73,7 @@ def env_worker(
     Example: rollstream env-worker --run r1 --model .run/policy --engine current=http://127.0.0.1:8000 --json
     """
     config = load_config(config_path)
-    if not (model / "tokenizer_config.json").exists():
-        fail(f"{model} is not a checkpoint directory with a tokenizer")
-    try:
-        engine_urls = parse_engines(engine)
-    except ValueError as error:
-        fail(str(error))
+    engine_urls = policy_engines(model, engine)
     try:
         settings = EnvWorkerSettings.model_validate_json(settings_file.read_text()) if settings_file else EnvWorkerSettings(
             max_concurrency=concurrency, engine_urls=engine_urls, seeded_sampling=seeded,

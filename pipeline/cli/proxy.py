@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from env_workers.engine_client import served_model
 from env_workers.proxy_settings import ProxySettings
-from pipeline.cli.env_worker import parse_engines
+from pipeline.cli.env_worker import policy_engines
 from pipeline.cli.toolkit import ConfigOption, JsonOption, RunOption, fail
 from pipeline.run.config import load_config, validation_message
 from pipeline.run.proxy import serve
@@ -42,12 +42,7 @@ def proxy(
     """
     config = load_config(config_path)
     model = model or config.policy.path
-    if not (model / "tokenizer_config.json").exists():
-        fail(f"{model} is not a checkpoint directory with a tokenizer")
-    try:
-        engine_urls = parse_engines(engine)
-    except ValueError as error:
-        fail(str(error))
+    engine_urls = policy_engines(model, engine)
     overrides = {k: v for k, v in (("host", host), ("port", port), ("reencode_mismatch", reencode_mismatch)) if v is not None}
     try:
         settings = ProxySettings.model_validate({
