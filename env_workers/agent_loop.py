@@ -358,10 +358,12 @@ class Loop:
             self.loop_metrics["pool_fallbacks"] += 1
         sampled = Sampled(turn, planned, pool, generation, len(self.record.ids), started, generate_ms)
         self.record.add_generated(generation.token_ids, generation.logprobs)
-        ids = generation.token_ids
-        content_ids = ids[:-1] if ids[-1] == self.encoder.eos_token_id else ids
-        self.history.append({"role": "assistant", "content": self.encoder.decode(content_ids)})
+        self.history.append({"role": "assistant", "content": self.content_text(generation.token_ids)})
         return sampled
+
+    def content_text(self, ids: Sequence[int]) -> str:
+        """A sampled turn's text as the history holds it: its ids decoded without the closing eos."""
+        return self.encoder.decode(ids[:-1] if ids and ids[-1] == self.encoder.eos_token_id else ids)
 
     async def turns_until_end(self, env: Environment, session: Any) -> Ending:
         settings = self.settings

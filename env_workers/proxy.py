@@ -507,7 +507,7 @@ class Episode:
         generation = result[1]
         loop.loop_metrics["unrecorded_calls"] += 1
         ids = generation.token_ids
-        raw = loop.encoder.decode(ids[:-1] if ids[-1] == loop.encoder.eos_token_id else ids)
+        raw = loop.content_text(ids)
         message = answer_message(parse_tool_calls(raw, call_id_prefix=f"call_u{int(loop.loop_metrics['unrecorded_calls'])}"), raw)
         self.served[canonical(message)] = {"role": "assistant", "content": raw}
         return Completion(message, finish_reason(generation.finish_reason, message), len(prompt), len(ids),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import typer
 from pydantic import ValidationError
@@ -21,6 +21,10 @@ from pipeline.policy.model_init import PolicyModelSettings, init_model
 from pipeline.policy.sft import TRAIN_SPLITS, EvalSettings, SftSettings
 from pipeline.policy.warm_start import collect_demonstrations, evaluate, fine_tune
 from pipeline.run.config import load_config
+
+EvalSplitOption = Annotated[list[str], typer.Option(
+    "--eval-split", help="FAMILY=SPLIT the family's success is measured on (repeatable). Default: " +
+    ", ".join(f"{k}={v}" for k, v in EvalSettings().splits.items()))]
 
 app = App(name="model", help="The default policy model.", no_args_is_help=True)
 
@@ -139,9 +143,7 @@ def sft(
     split: list[str] = typer.Option([], "--split", help="FAMILY=SPLIT the family's demonstrations come from "
                                     "(repeatable; e.g. db=easy-train). Default: " +
                                     ", ".join(f"{k}={v}" for k, v in SftSettings().train_splits.items())),
-    eval_split: list[str] = typer.Option([], "--eval-split", help="FAMILY=SPLIT the family's success is measured "
-                                         "on (repeatable). Default: " +
-                                         ", ".join(f"{k}={v}" for k, v in EvalSettings().splits.items())),
+    eval_split: EvalSplitOption = [],
     config: ConfigOption = None,
     force: bool = typer.Option(False, "--force", help="Write into a directory that is not empty."),
     quiet: QuietOption = False,
@@ -201,9 +203,7 @@ def eval_(
     families: str = typer.Option(",".join(SftSettings().families), "--families", help="Comma-separated families."),
     eval_episodes: int = typer.Option(EvalSettings().episodes, "--eval-episodes", min=1,
                                       help="Held-out rollouts per family."),
-    eval_split: list[str] = typer.Option([], "--eval-split", help="FAMILY=SPLIT the family's success is measured "
-                                         "on (repeatable). Default: " +
-                                         ", ".join(f"{k}={v}" for k, v in EvalSettings().splits.items())),
+    eval_split: EvalSplitOption = [],
     config: ConfigOption = None,
     quiet: QuietOption = False,
     as_json: JsonOption = False,
