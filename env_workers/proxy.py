@@ -54,6 +54,8 @@ REENCODE_MISMATCH = "reencode_mismatch"
 """Termination of an episode dropped for a re-encoding mismatch (status task_error)."""
 NO_CALLS = "no_calls"
 """Termination of an episode ended before any call was recorded (status task_error)."""
+IDLE_TIMEOUT = "idle_timeout"
+"""Termination of an episode its caller left idle longer than ProxySettings.idle_timeout_s (status task_error)."""
 
 ROLES = ("system", "user", "assistant", "tool")
 CALLER_STATUSES = (Status.COMPLETED, Status.TASK_LIMIT_REACHED, Status.AGENT_CONTEXT_LIMIT,
@@ -362,6 +364,8 @@ class Episode:
         self.loop.loop_metrics.update({"reencode_mismatches": 0.0, "unrecorded_calls": 0.0})
         self.id = self.loop.id
         self.started = clock()
+        self.last_active = self.started
+        """When the caller last opened the episode or asked a call (`Episodes.expire_idle` reads it)."""
         self.recording = True
         """False after a re-encoding mismatch: calls are served from the agent's own history, unrecorded."""
         self.dropped = False
@@ -385,6 +389,7 @@ class Episode:
         EngineUnavailable when no engine answers."""
         if self.finished:
             raise RequestError(f"episode {self.id} has ended", code="episode_ended")
+        self.last_active = self.clock()
         if self.ending is not None and self.recording:
             raise RequestError(f"episode {self.id} can take no more calls: {self.ending.termination} "
                                f"({self.ending.status})", code="episode_ended")
@@ -538,6 +543,13 @@ class Episode:
             trajectory["score"] = end.score
         return trajectory
 
+    def expire(self) -> dict[str, Any]:
+        """Closes an episode its caller left idle: its trajectory as task_error (masked out of its group)."""
+        self.finished = True
+        self.close_pending(env_tokens=0)
+        return self.loop.trajectory(Ending(Status.TASK_ERROR, IDLE_TIMEOUT), self.settings.worker_id, self.started,
+                                    self.clock())
+
 
 class Episodes:
     """The proxy's open episodes by id, and what opening and ending one does."""
@@ -547,7 +559,7 @@ class Episodes:
         self.run, self.families, self.make_episode, self.settings = run, list(families), make_episode, settings
         self.on_trajectory = on_trajectory
         self.open: dict[str, Episode] = {}
-        self.counts = {"opened": 0, "published": 0, "dropped": 0, "cancelled": 0}
+        self.counts = {"opened": 0, "published": 0, "dropped": 0, "cancelled": 0, "expired": 0}
 
     def open_episode(self, body: Any) -> dict[str, Any]:
         request = episode_request(body, self.run, self.families)
@@ -582,6 +594,17 @@ class Episodes:
                 "num_tokens": trajectory["num_tokens"], "turns": len(trajectory["turns"]),
                 "trained": trajectory["status"] != str(Status.TASK_ERROR),
                 "reencode_mismatches": trajectory["metrics"]["reencode_mismatches"]}
+
+    def expire_idle(self, now: float, busy: Callable[[str], bool] = lambda episode_id: False) -> list[str]:
+        """Ends every episode idle longer than settings.idle_timeout_s whose call is not in flight (`busy`),
+        publishing each as task_error; the ids ended."""
+        idle = [episode_id for episode_id, episode in self.open.items()
+                if now - episode.last_active > self.settings.idle_timeout_s and not busy(episode_id)]
+        for episode_id in idle:
+            self.on_trajectory(self.open.pop(episode_id).expire())
+            self.counts["published"] += 1
+            self.counts["expired"] += 1
+        return idle
 
     def cancel(self, episode_id: str) -> dict[str, Any]:
         """Forgets an episode without a trajectory (status cancelled: its group waits for a re-rollout or times out)."""

@@ -6,6 +6,7 @@ Routes (the protocol: env_workers/proxy.py and ARCHITECTURE.md "The recording pr
     POST   /episodes/{id}/v1/chat/completions         one call (an OpenAI client's base_url: .../episodes/{id}/v1)
     POST   /episodes/{id}/end                         {reward, status, score, metrics} -> trajectory published
     DELETE /episodes/{id}                             abandon: nothing published
+    (an episode idle longer than proxy.idle_timeout_s is ended by the server, published as task_error)
     GET    /health                                    open episodes and counts
 
 No request crashes the server: a bad one is an HTTP 400 (404 for an unknown episode) whose body is
@@ -16,6 +17,7 @@ logged with its traceback.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections import defaultdict
@@ -31,6 +33,8 @@ from env_workers.proxy import (
 
 log = logging.getLogger(__name__)
 
+IDLE_SWEEP_MAX_S = 5.0
+"""Longest wait between two looks for idle episodes (a quarter of proxy.idle_timeout_s when that is shorter)."""
 MAX_BODY_BYTES = 16 * 1024 * 1024
 """Largest request body: a long agent history; Kafka's message limit bounds what a trajectory can hold anyway."""
 
@@ -106,6 +110,25 @@ def make_app(episodes: Episodes, *, model: str, clock: Callable[[], float],
         locks.pop(episode_id, None)
         return web.json_response(result)
 
+    async def expire_idle(app: web.Application):
+        """Ends idle episodes (ProxySettings.idle_timeout_s) every few seconds while the server runs."""
+        interval = min(episodes.settings.idle_timeout_s / 4, IDLE_SWEEP_MAX_S)
+
+        async def sweep() -> None:
+            while True:
+                await asyncio.sleep(interval)
+                ended = episodes.expire_idle(clock(), busy=lambda i: i in locks and locks[i].locked())
+                for episode_id in ended:
+                    locks.pop(episode_id, None)
+                if ended and flush is not None:
+                    await flush()
+
+        task = asyncio.create_task(sweep())
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
     async def health(request: web.Request) -> web.Response:
         return web.json_response({"open": len(episodes.open), **episodes.counts})
 
@@ -114,6 +137,7 @@ def make_app(episodes: Episodes, *, model: str, clock: Callable[[], float],
                            "/episodes/{episode_id}/v1 as the client's base_url", code="episode_not_found", status=404)
 
     app = web.Application(middlewares=[_errors], client_max_size=MAX_BODY_BYTES)
+    app.cleanup_ctx.append(expire_idle)
     app.add_routes([
         web.post("/episodes", open_episode),
         web.post("/episodes/{episode_id}/v1/chat/completions", chat),

@@ -26,6 +26,11 @@ class ProxySettings(BaseModel):
     trajectory, trained with the episode's reward; later calls are served but not recorded. "drop": the
     episode is published as task_error (masked out of its group, never trained, the group still completes).
     Either way the trajectory's `metrics["reencode_mismatches"]` counts it."""
+    idle_timeout_s: float = Field(600.0, gt=0.0)
+    """Not in the paper: an open episode with no call and no end for this long (its agent crashed or forgot it)
+    is ended by the proxy: published as task_error with termination `idle_timeout`, masked out of its group,
+    which then completes instead of waiting for streams.group_timeout_s; its later calls are answered 404. An
+    episode whose call is in flight is never idle."""
     max_episodes: int = Field(4096, ge=1)
     """Not in the paper: episodes open at once; opening another is refused (HTTP 400) until one ends."""
     worker_id: str = "proxy"

@@ -273,3 +273,34 @@ def test_episodes_refuse_a_second_open_and_unknown_ids(encoder):
     assert error.value.status == 404
     result = episodes.end(opened["episode_id"], {"reward": 1.0})
     assert result["status"] == "task_error" and len(published) == 1 and not episodes.open
+
+
+def test_an_idle_episode_is_published_as_a_task_error_unless_its_call_is_in_flight(encoder):
+    now, steps, published = [1_700_000_000.0], {}, []
+
+    def make(request: dict[str, Any]) -> Episode:
+        sink = steps.setdefault(request["sample_index"], [])
+        return Episode(request, encoder, lambda pool: (pool, ScriptedEngine(encoder, [CALL])),
+                       ProxySettings(idle_timeout_s=60), LOOP, clock=lambda: now[0],
+                       sleep=lambda s: asyncio.sleep(0), on_step=sink.append)
+
+    episodes = Episodes(run="r", families=["calc"], settings=ProxySettings(idle_timeout_s=60), make_episode=make,
+                        on_trajectory=published.append)
+    first = episodes.open_episode({"task": "calc", "split": "train", "sample_index": 0})["episode_id"]
+    second = episodes.open_episode({"task": "calc", "split": "train", "sample_index": 1})["episode_id"]
+    call(episodes.get(first), [SYSTEM, USER])
+    now[0] += 30
+    call(episodes.get(second), [SYSTEM, USER])
+    now[0] += 31  # the first idle 61 s, the second 31 s
+    assert episodes.expire_idle(now[0]) == [first]
+    [trajectory] = published
+    assert (trajectory["status"], trajectory["termination"], trajectory["reward"]) == ("task_error", "idle_timeout", 0.0)
+    assert len(trajectory["turns"]) == 1
+    assert_valid_events(trajectory, steps[0])
+    with pytest.raises(RequestError, match="no open episode"):
+        episodes.get(first)
+
+    now[0] += 100
+    assert episodes.expire_idle(now[0], busy=lambda episode_id: episode_id == second) == []
+    assert episodes.expire_idle(now[0]) == [second]
+    assert (episodes.counts["expired"], episodes.counts["published"], len(episodes.open)) == (2, 2, 0)

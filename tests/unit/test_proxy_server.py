@@ -8,6 +8,8 @@ import asyncio
 import itertools
 import json
 import sys
+import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,19 +38,22 @@ def encoder() -> ChatEncoder:
     return ChatEncoder(build_tokenizer())
 
 
-def serve(encoder: ChatEncoder, replies: list[Any]) -> tuple[TestClient, list[dict[str, Any]], list[dict[str, Any]]]:
+def serve(encoder: ChatEncoder, replies: list[Any], settings: ProxySettings = ProxySettings(),
+          clock: Callable[[], float] | None = None) -> tuple[TestClient, list[dict[str, Any]], list[dict[str, Any]]]:
+    """A test server over a scripted engine; `clock` (default: a fixed time, the episodes' own ticking 0.01 s per
+    reading) is the episodes' and the server's."""
     engine, ticks = ScriptedEngine(encoder, replies), itertools.count()
     steps: list[dict[str, Any]] = []
     published: list[dict[str, Any]] = []
 
     def make_episode(request: dict[str, Any]) -> Episode:
-        return Episode(request, encoder, lambda pool: (pool, engine), ProxySettings(), LOOP,
-                       clock=lambda: 1_700_000_000 + next(ticks) * 0.01, sleep=lambda s: asyncio.sleep(0),
+        return Episode(request, encoder, lambda pool: (pool, engine), settings, LOOP,
+                       clock=clock or (lambda: 1_700_000_000 + next(ticks) * 0.01), sleep=lambda s: asyncio.sleep(0),
                        on_step=steps.append)
 
-    episodes = Episodes(run="run-1", families=["calc", "db"], make_episode=make_episode, settings=ProxySettings(),
+    episodes = Episodes(run="run-1", families=["calc", "db"], make_episode=make_episode, settings=settings,
                         on_trajectory=published.append)
-    return TestClient(TestServer(make_app(episodes, model="rollstream", clock=lambda: 1_700_000_000))), steps, published
+    return TestClient(TestServer(make_app(episodes, model="rollstream", clock=clock or (lambda: 1_700_000_000)))), steps, published
 
 
 def test_openai_client_drives_an_episode_plain_and_streamed(encoder):
@@ -133,6 +138,25 @@ def test_engine_failure_is_a_503_and_the_episode_is_a_task_error(encoder):
             assert late.status == 400 and "can take no more calls" in (await late.json())["error"]["message"]
             await client.post(f"/episodes/{opened['episode_id']}/end", json={"reward": 1.0})
         assert published[0]["status"] == "task_error" and published[0]["reward"] == 0.0
+
+    asyncio.run(scenario())
+
+
+def test_the_server_ends_an_episode_left_idle_and_answers_its_late_call_404(encoder):
+    async def scenario() -> None:
+        client, _, published = serve(encoder, [CALL], ProxySettings(idle_timeout_s=0.05), clock=time.time)
+        async with client:
+            opened = await (await client.post("/episodes", json=OPEN)).json()
+            for _ in range(100):
+                if published:
+                    break
+                await asyncio.sleep(0.02)
+            late = await client.post(f"{opened['base_path']}/chat/completions", json={"messages": MESSAGES})
+            assert late.status == 404 and "no open episode" in (await late.json())["error"]["message"]
+            health = await (await client.get("/health")).json()
+            assert (health["open"], health["expired"], health["published"]) == (0, 1, 1)
+        [trajectory] = published
+        assert (trajectory["status"], trajectory["termination"]) == ("task_error", "idle_timeout")
 
     asyncio.run(scenario())
 
