@@ -4,15 +4,23 @@ documented multi-turn interface (`environment_factory`: the public methods of th
 family's environment (env_workers/envs/base.py) on the row's sample, each tool method sends the call to
 `Environment.observation` as the assistant message a rollstream policy would have sent, and `get_reward` is the
 agent loop's reward of the session. Only calc has such a class: TRL needs the tools as methods with signatures
-and docstrings (from which transformers builds their schemas).
+and docstrings.
+
+The tool schemas in TRL's prompt are calc's own (`calc_tool_schemas`): transformers builds a method's schema
+with get_json_schema, which requires a description of every argument, and a prompt carrying those descriptions
+is not the prompt the policy learned: the default policy's greedy first call was right on 19 of 24 rl samples
+with calc's schemas and on 2 of 24 with the described ones (2026-12-05).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from env_workers.envs import registry
+from env_workers.envs import calc, registry
 from env_workers.envs.base import EnvSettings, Session, assistant_call
 from pipeline.analysis.evaluation import FULL_CREDIT
 from pipeline.bench.peer_logic import incomplete_reward
@@ -100,3 +108,37 @@ class RollstreamCalc:
         message = assistant_call(name, arguments, call_id=f"call_{self._calls}")
         observation = self._loop.run_until_complete(self._env.observation(session, message))
         return "\n".join(m["content"] for m in observation.messages)
+
+
+_CALC_SCHEMAS = {tool["function"]["name"]: tool for tool in calc.TOOLS}
+
+
+def calc_schema(func: Callable[..., Any]) -> dict[str, Any] | None:
+    """calc's own schema (env_workers/envs/calc.py TOOLS) of one of RollstreamCalc's tool methods, else None."""
+    name = getattr(func, "__name__", "")
+    if getattr(func, "__qualname__", "") != f"{RollstreamCalc.__name__}.{name}" or name not in _CALC_SCHEMAS:
+        return None
+    return copy.deepcopy(_CALC_SCHEMAS[name])
+
+
+@contextlib.contextmanager
+def calc_tool_schemas() -> Iterator[None]:
+    """While inside, transformers renders (and TRL's response parser types) RollstreamCalc's methods with calc's own
+    schemas instead of get_json_schema's; other functions keep get_json_schema's. transformers offers no hook for a
+    method's schema, so both module-level names that call it are replaced (transformers is pinned)."""
+    from transformers.utils import chat_template_utils  # noqa: PLC0415 (TRL's process only)
+    from transformers.utils.chat_parsing import response_parser  # noqa: PLC0415
+
+    original = chat_template_utils.get_json_schema
+
+    def schema(func: Callable[..., Any]) -> dict[str, Any]:
+        return calc_schema(func) or original(func)
+
+    modules = (chat_template_utils, response_parser)
+    for module in modules:
+        module.get_json_schema = schema  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.get_json_schema = original  # type: ignore[attr-defined]

@@ -43,9 +43,9 @@ FIXED_DIFFERENCES: tuple[str, ...] = (
     "TRL has no such step (scale_rewards='group' is its closest: per-group std only)",
     "group std: both use the Bessel-corrected std of the group, rollstream adds 1e-6, TRL 1e-4 (fixed in its code)",
     "KL: both k3 to the reference model; rollstream clamps it per token to +-learner.kl_clamp, TRL does not clamp",
-    "tool schemas: TRL builds them from the environment class's method signatures and docstrings, which "
-    "transformers' get_json_schema requires to describe every argument, so TRL's prompt carries a one-line "
-    "description per argument that rollstream's tool list does not have (a longer system prompt for TRL)",
+    "tool schemas: the same in both prompts, but in TRL's process only by replacing transformers' get_json_schema "
+    "for the environment class's methods with calc's own schemas (get_json_schema would describe every argument, "
+    "a prompt the policy was not trained on)",
     "turn limit: rollstream caps each turn at agent_loop.max_new_tokens and the trajectory at max_total_len; TRL caps "
     "the whole multi-turn completion (every turn and every tool response) at max_completion_length, set to "
     "max_turns x max_new_tokens bounded by max_total_len",

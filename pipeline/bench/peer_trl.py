@@ -6,7 +6,8 @@ environment class become the policy's tools, `reset` starts an episode, `get_rew
 The environment class (pipeline/bench/peer_env.py) wraps rollstream's environment API and reimplements nothing.
 
 The tokenizer is ours with TRL's copy of the Qwen2.5 chat template, which TRL needs to recognize to parse tool
-calls; on the conversations calc produces it renders exactly as ours (tests/unit/test_peer_logic.py asserts it).
+calls; with calc's own tool schemas (peer_env.calc_tool_schemas) it renders every calc conversation exactly as
+ours (tests/unit/test_peer_logic.py asserts it).
 
 The spec (JSON) names the model, the output folder, the shared settings (peer_logic.matched), the family,
 split and sample count, the environment settings and the reward settings; the result (JSON, `result` in the
@@ -34,7 +35,7 @@ from trl.chat_template_utils import qwen2_5_chat_template  # noqa: E402
 
 from env_workers.envs import registry  # noqa: E402
 from env_workers.envs.base import EnvSettings  # noqa: E402
-from pipeline.bench.peer_env import Episodes, RollstreamCalc  # noqa: E402
+from pipeline.bench.peer_env import Episodes, RollstreamCalc, calc_tool_schemas  # noqa: E402
 from pipeline.bench.peer_logic import grpo_config  # noqa: E402
 from pipeline.policy.sft import WEIGHT_SUFFIXES  # noqa: E402
 
@@ -110,13 +111,14 @@ def main(spec_path: str) -> None:
     episodes = Episodes()
     clock = StepClock(episodes)
     args = GRPOConfig(**grpo_config(shared, output_dir=spec["output_dir"], use_vllm=spec["use_vllm"]))
-    trainer = CountingTrainer(
-        model=spec["model"], args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock],
-        environment_factory=lambda: RollstreamCalc(envs, spec["split"], spec["incomplete_punishment"], episodes))
-    startup_s = time.monotonic() - begun
-    started = time.monotonic()
-    trainer.train()
-    wall_s = time.monotonic() - started
+    with calc_tool_schemas():
+        trainer = CountingTrainer(
+            model=spec["model"], args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock],
+            environment_factory=lambda: RollstreamCalc(envs, spec["split"], spec["incomplete_punishment"], episodes))
+        startup_s = time.monotonic() - begun
+        started = time.monotonic()
+        trainer.train()
+        wall_s = time.monotonic() - started
     save_checkpoint(trainer, Path(spec["model"]), Path(spec["checkpoint"]))
     Path(spec["result"]).write_text(json.dumps({
         "wall_s": wall_s, "startup_s": startup_s, "steps": trainer.state.global_step,

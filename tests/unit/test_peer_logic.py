@@ -1,6 +1,7 @@
 """`rollstream bench peer`'s pure part: the TRL settings that reproduce ours, what cannot be matched, the
 compared figures, the plot; and that TRL's Qwen2.5 chat template, which TRL's copy of our tokenizer gets so that
-TRL can parse tool calls, renders calc's conversations exactly as our template does."""
+TRL can parse tool calls, renders calc's conversations exactly as our template does, the environment class's
+methods given calc's own tool schemas."""
 
 from __future__ import annotations
 
@@ -39,38 +40,54 @@ def _calc_conversation() -> list[dict]:
             {"role": "assistant", "content": "Done."}]
 
 
-def _trl_tool_schemas() -> list[dict]:
-    """The tool schemas TRL renders for peer_trl's environment class (transformers' get_json_schema of its methods)."""
+TOOL_NAMES = ("add", "subtract", "multiply", "submit")
+
+
+def _env_tools() -> list:
+    """The tools TRL takes from peer_trl's environment class: its public methods."""
     from pipeline.bench.peer_env import RollstreamCalc  # noqa: PLC0415
 
-    return [get_json_schema(getattr(RollstreamCalc, name)) for name in ("add", "subtract", "multiply", "submit")]
+    return [getattr(RollstreamCalc, name) for name in TOOL_NAMES]
 
 
-@pytest.mark.parametrize("tools", ["rollstream", "trl"])
-def test_trl_qwen25_template_renders_calc_conversations_exactly_as_ours(tools):
+def test_trl_renders_calc_conversations_exactly_as_ours_with_calc_tool_schemas():
+    """TRL's Qwen2.5 template over the environment class's methods (as TRL passes them, schemas from
+    calc_tool_schemas) against our template over calc.TOOLS: every prefix, with and without the generation prompt."""
     from trl.chat_template_utils import qwen2_5_chat_template  # noqa: PLC0415
 
-    schemas = calc.TOOLS if tools == "rollstream" else _trl_tool_schemas()
+    from pipeline.bench.peer_env import calc_tool_schemas  # noqa: PLC0415
+
     tokenizer = build_tokenizer()
     messages = _calc_conversation()
-    for cut in range(2, len(messages) + 1):  # every prefix, as each turn's prompt is rendered
-        for generation_prompt in (True, False):
-            ours = tokenizer.apply_chat_template(messages[:cut], tools=schemas, chat_template=CHAT_TEMPLATE,
-                                                 tokenize=False, add_generation_prompt=generation_prompt)
-            trl = tokenizer.apply_chat_template(messages[:cut], tools=schemas, chat_template=qwen2_5_chat_template,
-                                                tokenize=False, add_generation_prompt=generation_prompt)
-            assert ours == trl
+    with calc_tool_schemas():
+        for cut in range(2, len(messages) + 1):  # every prefix, as each turn's prompt is rendered
+            for generation_prompt in (True, False):
+                ours = tokenizer.apply_chat_template(messages[:cut], tools=calc.TOOLS, chat_template=CHAT_TEMPLATE,
+                                                     tokenize=False, add_generation_prompt=generation_prompt)
+                trl = tokenizer.apply_chat_template(messages[:cut], tools=_env_tools(), tokenize=False,
+                                                    chat_template=qwen2_5_chat_template,
+                                                    add_generation_prompt=generation_prompt)
+                assert ours == trl
 
 
-def test_trl_tool_schemas_are_ours_but_for_argument_descriptions():
-    """The one prompt difference listed: get_json_schema requires a description per argument."""
-    trl = _trl_tool_schemas()
-    for ours, theirs in zip(calc.TOOLS, trl, strict=True):
-        stripped = json.loads(json.dumps(theirs))
-        for prop in stripped["function"]["parameters"]["properties"].values():
-            assert prop.pop("description")
-        assert stripped == ours
-    assert any("argument" in d and "description" in d for d in peer_logic.FIXED_DIFFERENCES)
+def test_calc_tool_schemas_give_calc_schemas_to_the_environment_methods_only_and_only_inside():
+    from transformers.utils import chat_template_utils  # noqa: PLC0415
+
+    from pipeline.bench.peer_env import calc_tool_schemas  # noqa: PLC0415
+
+    def other(x: int):  # noqa: ANN202
+        """Another tool.
+
+        Args:
+            x: a value
+        """
+
+    with calc_tool_schemas():
+        assert [chat_template_utils.get_json_schema(tool) for tool in _env_tools()] == calc.TOOLS
+        assert chat_template_utils.get_json_schema(other) == get_json_schema(other)
+    described = chat_template_utils.get_json_schema(_env_tools()[0])  # outside: get_json_schema's, described
+    assert described["function"]["parameters"]["properties"]["a"]["description"] == "a number"
+    assert any("get_json_schema" in d for d in peer_logic.FIXED_DIFFERENCES)
 
 
 def test_one_optimizer_step_per_batch_of_every_group():
