@@ -79,15 +79,25 @@ LOG_RATIO_BOUND = 20.0
 
 
 def next_token_logits(
-    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float
+    model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor, temperature: float, prefix_len: int = 0
 ) -> Tensor:
     """Logits of a HF causal LM for each next token, divided by the sampling temperature.
 
     Returns (B, T-1, V): position t holds the logits of token t+1, scaled as the engines sampled.
+    With prefix_len P > 0 (the first P tokens are the same in every row, learner/microbatch.py), the prefix
+    runs once, its keys and values repeated for each row and kept in the autograd graph, and only positions
+    P.. are returned, (B, T-1-P, V): the loss and gradients over them are those of a full forward (tested),
+    at the cost of P + B x (T-P) tokens instead of B x T.
     """
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
+    if prefix_len:
+        cache = model(input_ids=input_ids[:1, :prefix_len], use_cache=True).past_key_values  # (1, P) keys/values
+        cache.batch_repeat_interleave(input_ids.shape[0])  # (B, P)
+        logits = model(input_ids=input_ids[:, prefix_len:], attention_mask=attention_mask,
+                       past_key_values=cache, use_cache=False).logits  # (B, T-P, V)
+    else:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, T, V)
     # Logits at position t predict token t+1: drop the last position, whose token is unseen.
-    return logits[:, :-1, :].float() / temperature  # (B, T-1, V)
+    return logits[:, :-1, :].float() / temperature  # (B, T-1-P, V)
 
 
 def token_logprobs(logits: Tensor, input_ids: Tensor) -> Tensor:

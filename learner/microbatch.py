@@ -24,13 +24,20 @@ each row's scalar from `signals`; `advantages` is then not used.
 Token 0 has no prediction, so it can never be an action token (it is the prompt's first token);
 an item whose loss_mask[0] is 1 is rejected. Padding positions carry attention_mask 0,
 loss_mask 0, rollout log-prob 0 and advantage 0, so they add nothing to the loss.
+
+Shared prompts (`share_prompts`, learner.share_prompts). The members of a GRPO group have the same
+prompt, most of their tokens on these tasks (a family's system prompt and tool schemas). Planned
+with their prompt as a key, a micro-batch holds only items of one prompt, and its `prefix_len`
+counts the leading tokens every row shares up to the first position whose logits predict an action
+token: the forward pass runs them once (learner/loss.py next_token_logits), and the per-token arrays
+from `prefix_len` on are all the loss needs (nothing before it is an action).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -51,6 +58,7 @@ class MicroBatch:
     rollout_logprobs: np.ndarray  # (B, T-1) float32
     advantages: np.ndarray  # (B, T-1) float32
     signals: np.ndarray  # (B,) float32, each item's scalar as given (SAO: its reward)
+    prefix_len: int = 0  # leading tokens all rows share and no loss needs the logits of (run once); 0: none
 
     @property
     def action_tokens(self) -> int:
@@ -58,11 +66,13 @@ class MicroBatch:
         return int(self.loss_mask.sum())
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+def plan_micro_batches(lengths: Sequence[int], max_tokens: int,
+                       keys: Sequence[Hashable] | None = None) -> list[list[int]]:
     """Groups sequence indices so that rows x longest row <= max_tokens (first-fit decreasing).
 
     Every index appears exactly once; a sequence longer than `max_tokens` is alone. Within a
     micro-batch the indices are in decreasing length, so the first one sets its padded length.
+    With `keys` (one per sequence), a micro-batch holds sequences of one key only.
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
@@ -71,6 +81,8 @@ def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int
     for i in order:
         for members in bins:
             longest = lengths[members[0]]  # decreasing order: the first member is the longest
+            if keys is not None and keys[members[0]] != keys[i]:
+                continue
             if (len(members) + 1) * longest <= max_tokens:
                 members.append(i)
                 break
@@ -114,12 +126,33 @@ def collate(items: Sequence[BatchItem], indices: Sequence[int], pad_token_id: in
     )
 
 
+def prompt_key(item: BatchItem) -> bytes:
+    """The item's tokens before its first action token: equal for the members of one group."""
+    ids, mask = item[0], item[1]
+    first_action = int(np.argmax(mask)) if mask.any() else len(ids)
+    return np.asarray(ids[:first_action], dtype=np.int64).tobytes()
+
+
+def shared_prefix_length(micro: MicroBatch) -> int:
+    """Leading tokens every row shares, stopping at the first position whose logits predict an action token."""
+    same = (micro.input_ids == micro.input_ids[:1]).all(axis=0)  # (T,)
+    common = len(same) if same.all() else int(np.argmin(same))
+    first_prediction = int(np.argmax(micro.loss_mask.any(axis=0)))  # shifted: position t predicts token t+1
+    return min(common, first_prediction)
+
+
 def make_micro_batches(
-    items: Sequence[BatchItem], max_tokens: int, pad_token_id: int = 0
+    items: Sequence[BatchItem], max_tokens: int, pad_token_id: int = 0, share_prompts: bool = False
 ) -> list[MicroBatch]:
-    """Plans and collates the whole batch: every item lands in exactly one micro-batch."""
-    plan = plan_micro_batches([len(item[0]) for item in items], max_tokens)
-    return [collate(items, indices, pad_token_id) for indices in plan]
+    """Plans and collates the whole batch: every item lands in exactly one micro-batch. With `share_prompts`,
+    items of one prompt are packed together and each micro-batch of several rows has its `prefix_len`."""
+    keys = [prompt_key(item) for item in items] if share_prompts else None
+    plan = plan_micro_batches([len(item[0]) for item in items], max_tokens, keys)
+    micro_batches = [collate(items, indices, pad_token_id) for indices in plan]
+    if share_prompts:
+        micro_batches = [replace(mb, prefix_len=shared_prefix_length(mb)) if len(mb.indices) > 1 else mb
+                         for mb in micro_batches]
+    return micro_batches
 
 
 def rank_share(micro_batches: int, world: int, rank: int) -> list[tuple[int, float]]:

@@ -63,6 +63,12 @@ class LearnerSettings(BaseModel):
     """Max global gradient norm, AgentRL's (verl's) 1.0."""
     max_tokens_per_micro_batch: int = Field(16384, gt=0)
     """Padded tokens per micro-batch (rows x longest row), verl's ppo_max_token_len_per_gpu 16384."""
+    share_prompts: bool = True
+    """Not in the paper: pack the members of a group (one prompt) into the same micro-batches and run their shared
+    prompt through the model once per micro-batch, its keys and values repeated for each row (learner/microbatch.py;
+    the same loss and gradients, tested). On these tasks the prompt is most of a trajectory's tokens, so this is
+    most of the forward and backward work saved. One learner process only (torchrun's wrappers expect one forward per
+    backward) and not with SAO; elsewhere every row runs whole."""
     bucket_size_mb: int = Field(512, gt=0)
     """Broadcast bucket size in MiB, slime's update-weight-buffer-size of 512 MiB (not in the paper)."""
     max_shard_mb: int = Field(2048, gt=0)

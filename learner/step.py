@@ -120,7 +120,11 @@ def train_step(
     if settings.sao and sync is not None:
         raise ValueError("advantage_estimator sao trains its critic in one process; run the learner without torchrun")
     # --- plan: micro-batches by token budget; the token-mean divides by the batch's action tokens ---
-    micro_batches: list[MicroBatch] = make_micro_batches(batch_items, settings.max_tokens_per_micro_batch)
+    # Shared prompts run once per micro-batch in one process; torchrun's DDP/FSDP wrappers expect one forward per
+    # backward, and SAO's critic reads every position's features.
+    share_prompts = settings.share_prompts and sync is None and critic is None
+    micro_batches: list[MicroBatch] = make_micro_batches(batch_items, settings.max_tokens_per_micro_batch,
+                                                         share_prompts=share_prompts)
     global_action_tokens = sum(mb.action_tokens for mb in micro_batches)
     if global_action_tokens == 0:
         raise ValueError("the batch has no action tokens to train on")
@@ -191,11 +195,11 @@ def _logprobs_without_graph(policy: torch.nn.Module, micro_batches: Sequence[Mic
     out: list[torch.Tensor] = []
     with torch.no_grad():
         for mb in micro_batches:
-            input_ids = _tensor(mb.input_ids, policy_device)  # (B, T)
+            input_ids, p = _tensor(mb.input_ids, policy_device), mb.prefix_len  # (B, T)
             logits = next_token_logits(
-                policy, input_ids, _tensor(mb.attention_mask, policy_device), settings.temperature
-            )  # (B, T-1, V)
-            out.append(token_logprobs(logits, input_ids).to(device))  # (B, T-1)
+                policy, input_ids, _tensor(mb.attention_mask, policy_device), settings.temperature, p
+            )  # (B, T-1-P, V)
+            out.append(token_logprobs(logits, input_ids[:, p:]).to(device))  # (B, T-1-P)
     return out
 
 
@@ -219,16 +223,17 @@ def _accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[MicroB
                 shares[name].append(value * weight)
             continue
         with sync.skip_sync() if local else contextlib.nullcontext():
-            input_ids = _tensor(mb.input_ids, device)  # (B, T)
-            logits = next_token_logits(model, input_ids, _tensor(mb.attention_mask, device), settings.temperature)
-            logprobs = token_logprobs(logits, input_ids)  # (B, T-1)
-            entropy = token_entropy(logits if settings.entropy_coef > 0 else logits.detach())  # (B, T-1)
+            # From the shared prefix's end on (P = 0 without one): nothing before it is an action token.
+            input_ids, p = _tensor(mb.input_ids, device), mb.prefix_len  # (B, T)
+            logits = next_token_logits(model, input_ids, _tensor(mb.attention_mask, device), settings.temperature, p)
+            logprobs = token_logprobs(logits, input_ids[:, p:])  # (B, T-1-P)
+            entropy = token_entropy(logits if settings.entropy_coef > 0 else logits.detach())  # (B, T-1-P)
             loss, metrics = policy_loss(
                 logprobs,
-                _tensor(mb.rollout_logprobs, device),
+                _tensor(mb.rollout_logprobs[:, p:], device),
                 ref_lp,
-                _tensor(mb.advantages, device),
-                _tensor(mb.loss_mask, device),
+                _tensor(mb.advantages[:, p:], device),
+                _tensor(mb.loss_mask[:, p:], device),
                 entropy,
                 global_action_tokens,
                 clip_ratio_low=settings.clip_ratio_low,

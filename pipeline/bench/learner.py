@@ -199,7 +199,9 @@ def bench_learner(
         typer.echo("rollstream bench learner: --sequences and --repeats must be >= 1", err=True)
         raise typer.Exit(code=1)
     cfg = load_config(config)
-    settings = LearnerSettings(max_tokens_per_micro_batch=4096)
+    # Every row whole, as the bare loop runs them: the figure is the step's overhead over the same model work
+    # (learner.share_prompts changes that work, by the prompts a batch's rows share).
+    settings = LearnerSettings(max_tokens_per_micro_batch=4096, share_prompts=False)
     objectstore.ensure_buckets(objectstore.client(cfg.object_store), [topics.WEIGHTS_BUCKET])
     say = (lambda m: None) if not sys.stderr.isatty() else (lambda m: Console(stderr=True).print(m))
     say("learner step vs bare loop ...")

@@ -9,7 +9,7 @@ the tokenizer's own encoding of their text, which the agent loop ends as agent_v
    unless a run names e.g. the easy tiers; pipeline/policy/demonstrations.py);
 2. AdamW on token-mean cross-entropy over the assistant tokens only, one optimizer step per batch
    of demonstrations of one family, micro-batches packed by a token budget (learner.microbatch),
-   the family's shared prompt prefix run once per micro-batch (`suffix_logits`: same loss and
+   the family's shared prompt prefix run once per micro-batch (learner/loss.py `next_token_logits`: same loss and
    gradients, measured 3.6x faster on 8 calc and 6x on 8 kg demonstrations), linear warm-up then
    cosine decay;
 3. a servable Hugging Face checkpoint: the source's non-weight files (tokenizer, chat template)
@@ -43,7 +43,8 @@ from env_workers.engines import EnginePool
 from env_workers.envs import registry
 from env_workers.envs.base import EnvSettings
 from env_workers.settings import AgentLoopSettings
-from learner.microbatch import BatchItem, MicroBatch, make_micro_batches
+from learner.loss import next_token_logits
+from learner.microbatch import BatchItem, MicroBatch, make_micro_batches, shared_prefix_length
 from pipeline.policy.demonstrations import Demonstration
 from pipeline.policy.splits import EVAL_SPLITS, TRAIN_SPLITS
 from pipeline.engine.launch import EngineProcess, launch_engine
@@ -151,7 +152,7 @@ def batches(families: Sequence[str], settings: SftSettings, rng: np.random.Gener
 
     Each epoch, every family's demonstrations in a fresh order are cut into batch_size steps, and
     the steps of all families are shuffled together. One family per step: its demonstrations
-    share the family's prompt prefix, which `suffix_logits` then runs once per step, not once per
+    share the family's prompt prefix, which `next_token_logits` then runs once per step, not once per
     family per step (the prefix is most of the cost).
     """
     members: dict[str, list[int]] = {}
@@ -168,36 +169,10 @@ def batches(families: Sequence[str], settings: SftSettings, rng: np.random.Gener
 
 
 def masked_token_losses(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of each next token (B, T-1), zero where loss_mask is 0 (prompt, environment, padding)."""
-    predicted = logits[:, :-1].float()  # (B, T-1, V): position t predicts token t+1
-    labels = input_ids[:, 1:]  # (B, T-1)
-    losses = F.cross_entropy(predicted.transpose(1, 2), labels, reduction="none")  # (B, T-1)
+    """Cross-entropy of each next token (B, T-1), zero where loss_mask is 0 (prompt, environment, padding);
+    `logits` are learner/loss.py next_token_logits' (B, T-1, V): position t predicts token t+1."""
+    losses = F.cross_entropy(logits.transpose(1, 2), input_ids[:, 1:], reduction="none")  # (B, T-1)
     return losses * loss_mask
-
-
-def shared_prefix_length(micro: MicroBatch) -> int:
-    """Leading tokens every row shares, stopping at the first position whose logits predict a target."""
-    same = (micro.input_ids == micro.input_ids[:1]).all(axis=0)  # (T,)
-    common = len(same) if same.all() else int(np.argmin(same))
-    first_prediction = int(np.argmax(micro.loss_mask.any(axis=0)))  # shifted: position t predicts token t+1
-    return min(common, first_prediction)
-
-
-def suffix_logits(model: torch.nn.Module, micro: MicroBatch, prefix_len: int) -> torch.Tensor:
-    """Logits (B, T-P, V) of positions P.. of every row, the shared prefix (P tokens) run once.
-
-    The prefix's keys and values are repeated for each row and stay in the autograd graph, so the
-    loss and the gradients are those of a full forward pass (tested); the cost is P + B x (T-P)
-    tokens instead of B x T, which is most of it here: a family's system prompt and tool schemas,
-    spelled byte by byte, are 1,400-4,700 of a demonstration's 1,700-5,100 tokens.
-    """
-    ids = torch.from_numpy(micro.input_ids)  # (B, T)
-    cache = None
-    if prefix_len:
-        cache = model(input_ids=ids[:1, :prefix_len], use_cache=True).past_key_values  # (1, P) keys/values
-        cache.batch_repeat_interleave(ids.shape[0])  # (B, P)
-    return model(input_ids=ids[:, prefix_len:], attention_mask=torch.from_numpy(micro.attention_mask),
-                 past_key_values=cache).logits  # (B, T-P, V)
 
 
 def micro_batches(demos: Sequence[Demonstration], settings: SftSettings, pad_token_id: int) -> list[MicroBatch]:
@@ -216,9 +191,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, demos: 
     targets = sum(d.target_tokens for d in demos)
     total = 0.0
     for micro in micro_batches(demos, settings, pad_token_id):
+        # A family's system prompt and tool schemas, spelled byte by byte, are 1,400-4,700 of a demonstration's
+        # 1,700-5,100 tokens: run once per micro-batch (learner/loss.py next_token_logits).
         prefix_len = shared_prefix_length(micro)
-        logits = suffix_logits(model, micro, prefix_len)  # (B, T-P, V)
-        loss_sum = masked_token_losses(logits, torch.from_numpy(micro.input_ids[:, prefix_len:]),
+        ids = torch.from_numpy(micro.input_ids)  # (B, T)
+        logits = next_token_logits(model, ids, torch.from_numpy(micro.attention_mask), 1.0, prefix_len)  # (B, T-1-P, V)
+        loss_sum = masked_token_losses(logits, ids[:, prefix_len:],
                                        torch.from_numpy(micro.loss_mask[:, prefix_len:])).sum()
         (loss_sum / targets).backward()  # gradients accumulate to the batch's token mean
         total += loss_sum.item()  # a sync point; only once per micro-batch

@@ -17,11 +17,12 @@ from env_workers.chat_template import ChatEncoder
 from env_workers.envs import calc, registry
 from env_workers.envs.base import EnvSettings
 from env_workers.tool_parser import parse_tool_calls
-from learner.microbatch import MicroBatch, make_micro_batches
+from learner.loss import next_token_logits
+from learner.microbatch import MicroBatch, make_micro_batches, shared_prefix_length
 from pipeline.policy.demonstrations import Demonstration, demonstrations, oracle_episode, tokenize
 from pipeline.cli.model import app
 from pipeline.policy.model_init import PolicyModelSettings, build_config, build_tokenizer, init_model
-from pipeline.policy.sft import SftSettings, batches, lr_at, masked_token_losses, shared_prefix_length, suffix_logits
+from pipeline.policy.sft import SftSettings, batches, lr_at, masked_token_losses
 
 SETTINGS = EnvSettings()
 
@@ -129,10 +130,10 @@ def test_sft_loss_ignores_every_token_outside_the_mask():
     logits = torch.randn(1, 6, 11)
     ids = torch.tensor([[1, 2, 3, 4, 5, 6]])
     mask = torch.tensor([[0.0, 0.0, 1.0, 1.0, 0.0]])  # shifted: positions 2, 3 predict tokens 3, 4
-    before = masked_token_losses(logits, ids, mask)
+    before = masked_token_losses(logits[:, :-1], ids, mask)
     changed = logits.clone()
     changed[0, [0, 1, 4, 5]] += torch.randn(4, 11) * 5
-    after = masked_token_losses(changed, ids, mask)
+    after = masked_token_losses(changed[:, :-1], ids, mask)
     assert torch.equal(before, after)
     expected = -torch.log_softmax(logits[0, 2], -1)[4]
     assert torch.isclose(before[0, 2], expected)
@@ -189,17 +190,17 @@ def test_running_the_shared_prefix_once_gives_the_loss_and_gradients_of_a_full_f
     prompt = list(range(40, 70))
     micro = _rows((prompt + [71, 72, 73, 74], [0] * 31 + [1, 1, 1]), (prompt + [75, 76], [0] * 31 + [1]),
                   (prompt + [77, 78, 79], [0] * 31 + [1, 1]))
-    ids = torch.from_numpy(micro.input_ids)
+    ids, attention = torch.from_numpy(micro.input_ids), torch.from_numpy(micro.attention_mask)
 
-    full = masked_token_losses(model(input_ids=ids, attention_mask=torch.from_numpy(micro.attention_mask)).logits,
-                               ids, torch.from_numpy(micro.loss_mask)).sum()
+    full = masked_token_losses(next_token_logits(model, ids, attention, 1.0), ids,
+                               torch.from_numpy(micro.loss_mask)).sum()
     full.backward()
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
 
     prefix_len = shared_prefix_length(micro)
     assert prefix_len == 30
-    shared = masked_token_losses(suffix_logits(model, micro, prefix_len), ids[:, prefix_len:],
+    shared = masked_token_losses(next_token_logits(model, ids, attention, 1.0, prefix_len), ids[:, prefix_len:],
                                  torch.from_numpy(micro.loss_mask[:, prefix_len:])).sum()
     shared.backward()
     assert torch.isclose(shared, full, rtol=1e-5)

@@ -20,7 +20,8 @@ from learner.settings import LearnerSettings
 from learner.step import make_optimizer, train_step
 
 # A budget that makes 5 micro-batches of the batch below: uneven over 2 ranks, so one rank pads.
-SETTINGS = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=40)
+# Shared prompts apply to one process only; the single-process step compared with the ranks' runs every row whole too.
+SETTINGS = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=40, share_prompts=False)
 CASES = {"ddp": ("ddp", False), "fsdp": ("fsdp", False), "fsdp-resumed": ("fsdp", True)}
 
 

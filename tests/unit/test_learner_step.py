@@ -116,12 +116,50 @@ def test_micro_batch_budget_does_not_change_the_step():
     results = []
     for budget in (24, 10_000):
         actor = copy.deepcopy(model)
-        settings = LearnerSettings(max_tokens_per_micro_batch=budget)
+        settings = LearnerSettings(max_tokens_per_micro_batch=budget, share_prompts=False)
         results.append(train_step(actor, copy.deepcopy(model), make_optimizer(actor, settings), items, settings))
     small, large = results
     assert small["actor/micro_batches"] > 1 and large["actor/micro_batches"] == 1
     for name in ("actor/loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):
         assert small[name] == pytest.approx(large[name], rel=1e-4, abs=1e-6), name
+
+
+def group_batch(model, groups: int, members: int, seed: int = 2):
+    """`groups` prompts, each with `members` different action tails (a GRPO group), slightly off-policy."""
+    rng = np.random.default_rng(seed)
+    items = []
+    for _ in range(groups):
+        prompt = rng.integers(0, 300, size=int(rng.integers(12, 20)))
+        for _ in range(members):
+            tail = rng.integers(0, 300, size=int(rng.integers(3, 9)))
+            ids = np.concatenate([prompt, tail]).astype(np.int32)
+            mask = np.r_[np.zeros(len(prompt), np.uint8), np.ones(len(tail), np.uint8)]
+            mask[-2] = 0  # an environment token inside the tail
+            items.append((ids, mask, action_logprobs(model, ids, mask) - 0.2 * mask, float(rng.normal())))
+    return items
+
+
+@pytest.mark.parametrize("policy_loss", ["ppo", "decoupled"])
+def test_shared_prompts_give_the_step_of_whole_rows(policy_loss):
+    model = tiny_model()
+    items = group_batch(model, groups=3, members=4)
+    results, gradients = [], []
+    for share in (False, True):
+        actor = copy.deepcopy(model)
+        settings = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=10_000, share_prompts=share,
+                                   policy_loss=policy_loss)
+        optimizer = make_optimizer(actor, settings)
+        results.append(train_step(actor, copy.deepcopy(model), optimizer, items, settings))
+        # Adam's first moment after one step is (1 - beta1) x the clipped gradient. (The weights themselves move
+        # by about lr x sign(gradient), which float noise flips where a gradient is near zero.)
+        gradients.append([optimizer.state[p]["exp_avg"].clone() for p in actor.parameters()])
+    whole, shared = results
+    assert (whole["actor/micro_batches"], shared["actor/micro_batches"]) == (1, 3)  # one prompt per micro-batch
+    for name in ("actor/loss", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm",
+                 "actor/action_tokens"):
+        assert shared[name] == pytest.approx(whole[name], rel=1e-4, abs=1e-6), name
+    for got, want in zip(*gradients, strict=True):
+        assert torch.allclose(got, want, rtol=1e-3, atol=1e-8)
 
 
 def test_settings_are_frozen_and_reject_unknown_fields():

@@ -76,3 +76,20 @@ def test_micro_batches_keep_every_action_token():
     expected = sum(int(m[1].sum()) for m in items)
     assert sum(mb.action_tokens for mb in micro_batches) == expected
     assert sorted(i for mb in micro_batches for i in mb.indices) == list(range(len(items)))
+
+
+def test_shared_prompts_pack_one_prompt_per_micro_batch_and_mark_its_shared_prefix():
+    def item(prompt: list[int], tail: list[int]):
+        ids = np.array(prompt + tail)
+        mask = np.r_[np.zeros(len(prompt)), np.ones(len(tail))].astype(np.uint8)
+        return ids, mask, np.zeros(len(ids), np.float32), 1.0
+
+    a, b = [1, 2, 3, 4, 5], [9, 8, 7, 6]
+    items = [item(a, [10, 11]), item(b, [12]), item(a, [13, 14, 15]), item(b, [16, 17]), item(a + [99], [18])]
+    micro = make_micro_batches(items, 10_000, share_prompts=True)
+    # Keyed by the whole prompt: the third a-prompt item has a longer prompt (a + [99]) and packs alone.
+    assert sorted(sorted(mb.indices) for mb in micro) == [[0, 2], [1, 3], [4]]
+    prefix = {tuple(sorted(mb.indices)): mb.prefix_len for mb in micro}
+    # Rows share the prompt; the prefix stops one short of it, where the logits predict the first action token.
+    assert prefix == {(0, 2): 4, (1, 3): 3, (4,): 0}
+    assert all(mb.prefix_len == 0 for mb in make_micro_batches(items, 10_000))
