@@ -1,20 +1,15 @@
-"""Behaviour alert rules on the real stack: `rollstream up` of configs/faults.yaml's scaled-down run (a
-randomly initialised policy, calc only, one engine) with two rules the random policy is bound to set off,
-and the run's alerts acted on:
+"""Behaviour alert rules on the real stack: `rollstream up` of configs/faults.yaml's scaled-down run (calc only,
+one engine) on a scripted policy that loops (tests/helpers/looping_policy.py: every turn it samples is the
+same call, add(a=1, b=1)), with two rules on the share of repeated tool calls, and the run's alerts acted on:
 
-- `truncating` (calc's truncation_share above 0.5 after 4 steps, action pause): a random policy almost never
-  samples its end-of-turn token within max_new_tokens (32), so nearly every step stops at the token limit.
-  The alert reaches `alerts` and the dispatcher sends nothing more, while what was in flight finishes;
+- `tool-call-loops` (calc's repeated_call_share above 0.5 once 4 trajectories finished, action pause): four
+  turns of one call repeat it three times of four (0.75). The alert reaches `alerts` and the dispatcher sends
+  nothing more, while what was in flight finishes;
 - `rollstream alerts resume` lifts the pause: requests flow again;
-- `long-enough` (truncation_share above 0.5 once a task has 16 trajectories, action stop): more than were
-  dispatched when the pause came (the in-flight bound, 2 x batch_size groups of 2, is 8 trajectories; 12 if
-  the pause came after the first learner step), so it fires only after the resume; `up` then stops the run in order, says which alert stopped it, exits 1, and the report
-  lists the alerts.
-
-Not invalid_output_share: with this policy's byte-level vocabulary a 32-token turn holds an unpaired
-<tool_call> tag about half the time (21 of 40 turns sampled with transformers from the policy
-pipeline/policy/random_policy.py makes; none of them ended before 32 tokens), so that share sits near 0.5,
-which is no sure trigger.
+- `loops-persist` (the same share once a task has 16 trajectories, action stop): more than were dispatched
+  when the pause came (the in-flight bound, 2 x batch_size groups of 2, is 8 trajectories; 12 if the pause
+  came after the first learner step), so it fires only after the resume; `up` then stops the run in order,
+  says which alert stopped it, exits 1, and the report lists the alerts.
 """
 
 from __future__ import annotations
@@ -29,16 +24,17 @@ from pathlib import Path
 import pytest
 import yaml
 
+from helpers.looping_policy import ensure_looping_policy
 from helpers.topics import TopicReader
-from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT
 from schemas import topics
 
 pytestmark = pytest.mark.integration
 
-PAUSE_RULE = {"name": "truncating", "figure": "truncation_share", "task": "calc", "above": 0.5, "min_steps": 4,
-              "action": "pause"}
-STOP_RULE = {"name": "long-enough", "figure": "truncation_share", "above": 0.5, "min_trajectories": 16,
+TURNS = 4
+PAUSE_RULE = {"name": "tool-call-loops", "figure": "repeated_call_share", "task": "calc", "above": 0.5,
+              "min_trajectories": 4, "action": "pause"}
+STOP_RULE = {"name": "loops-persist", "figure": "repeated_call_share", "above": 0.5, "min_trajectories": 16,
              "action": "stop"}
 SETTLE_S = 10   # the dispatcher reads `alerts` every second; the router forwards what was already requested
 HELD_S = 20     # how long nothing new may go out while paused
@@ -47,11 +43,12 @@ RUN_LIMIT_S = 900
 
 def _config(tmp: Path) -> Path:
     cfg = yaml.safe_load((REPO_ROOT / "configs" / "faults.yaml").read_text())
-    model = tmp / "random-policy"
-    ensure_random_policy(model)
-    cfg["policy"] = {"path": str(model)}
+    cfg["policy"] = {"path": str(ensure_looping_policy(tmp / "looping-policy", turns=TURNS))}
     cfg["engines"] = {**cfg["engines"], "current": 1, "stale": 0}
     cfg["env_workers"] = {"count": 1, "concurrency": 8}
+    # Room for the call (about 50 byte-level tokens) and for four of them: three repeats in four calls.
+    cfg["agent_loop"] = {**cfg["agent_loop"], "max_turns": TURNS, "max_new_tokens": 96}
+    cfg["streams"] = {**cfg["streams"], "max_turns": TURNS}
     cfg["mix"] = {"families": ["calc"], "val_families": [], "val_interval": 1}
     cfg["streams"] = {**cfg["streams"], "alerts": [PAUSE_RULE, STOP_RULE]}
     cfg.update(max_steps=1000, runs_dir=str(tmp / "runs"))  # the stop rule, not max_steps, ends this run
@@ -98,8 +95,9 @@ def test_a_pause_alert_holds_the_dispatcher_a_resume_lifts_it_and_a_stop_alert_e
         reader.wait_for(lambda: alerts, RUN_LIMIT_S - 300, "the pause alert", on_poll=alive, log=log)
         [pause] = alerts
         assert (pause["rule"], pause["task"], pause["figure"], pause["action"]) == (
-            "truncating", "calc", "truncation_share", "pause")
-        assert pause["value"] > 0.5 and pause["steps"] >= 4 and pause["alert_id"] == f"{run}/truncating/calc/1"
+            "tool-call-loops", "calc", "repeated_call_share", "pause")
+        assert pause["value"] > 0.5 and pause["trajectories"] >= 4
+        assert pause["alert_id"] == f"{run}/tool-call-loops/calc/1"
 
         # Paused: once what was already requested is routed, nothing new goes out.
         _follow(reader, SETTLE_S, alive)
@@ -107,7 +105,7 @@ def test_a_pause_alert_holds_the_dispatcher_a_resume_lifts_it_and_a_stop_alert_e
         _follow(reader, HELD_S, alive)
         assert (len(reader.events[topics.TASKS_REQUESTED]), len(reader.events[topics.TASKS])) == held, \
             "the dispatcher sent tasks while paused"
-        assert "paused by alert truncating" in (tmp_path / "runs" / run / "logs" / "dispatcher.log").read_text()
+        assert "paused by alert tool-call-loops" in (tmp_path / "runs" / run / "logs" / "dispatcher.log").read_text()
         assert len(alerts) == 1, alerts  # the stop rule waits for more trajectories than were in flight
 
         # Resumed: requests flow again, until the stop rule's task has its 16 trajectories.
@@ -125,14 +123,14 @@ def test_a_pause_alert_holds_the_dispatcher_a_resume_lifts_it_and_a_stop_alert_e
             proc.communicate(timeout=300)
     assert proc.returncode == 1, log()
     summary = json.loads(out)
-    assert summary["outcome"] == "stopped by alert long-enough"
+    assert summary["outcome"] == "stopped by alert loops-persist"
     assert [a["action"] for a in summary["progress"]["alerts"]] == ["pause", "resume", "stop"]
-    assert "alert long-enough stops the run" in stderr_path.read_text()
+    assert "alert loops-persist stops the run" in stderr_path.read_text()
     assert _left_running(run) == []
 
     report = json.loads((Path(summary["run_dir"]) / "summary.json").read_text())
-    assert report["alerts"]["stopped_by"] == "long-enough" and report["alerts"]["paused_by"] is None
-    assert "stopped by alert `long-enough`" in (Path(summary["run_dir"]) / "report.md").read_text()
+    assert report["alerts"]["stopped_by"] == "loops-persist" and report["alerts"]["paused_by"] is None
+    assert "stopped by alert `loops-persist`" in (Path(summary["run_dir"]) / "report.md").read_text()
     listed = _cli("alerts", "list", "--run", run, "--json")
     assert listed.returncode == 0, listed.stderr
-    assert json.loads(listed.stdout)["stopped_by"] == "long-enough"
+    assert json.loads(listed.stdout)["stopped_by"] == "loops-persist"
