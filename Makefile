@@ -6,7 +6,7 @@ PYTEST_ARGS ?=
 RUN_CONFIG ?= configs/cpu.yaml
 RUN_ARGS ?=
 
-.PHONY: run test setup infra-up infra-down infra-status bench docker-context clean
+.PHONY: run test setup infra-up infra-down infra-status bench docker-context compose-test clean
 
 ## make run: set up, start the infrastructure, train one run (configs/cpu.yaml) and write its report, stop what was started
 run: setup
@@ -32,9 +32,14 @@ infra-status:
 bench: setup
 	infra/with-infra.sh $(VENV)/bin/rollstream bench bus
 
-## make docker-context: put the CPU torch wheel where infra/Dockerfile expects it
+## make docker-context: the files the images copy that are not in the repository (.docker-context/)
 docker-context:
-	mkdir -p .wheels && cp ../shared/wheels/*.whl .wheels/
+	infra/compose/context.sh
+
+## make compose-test: build every image on a debootstrap base in a private Docker engine and run docker-compose.yml
+## end to end on configs/compose-test.yaml (infra/compose/test.py): not part of make test (it builds a 5 GB image)
+compose-test: setup
+	$(VENV)/bin/python infra/compose/test.py
 
 clean: infra-down
 	rm -rf .run

@@ -37,21 +37,8 @@ sasl.enabled.mechanisms=SCRAM-SHA-256,SCRAM-SHA-512
 listener.name.sasl_plaintext.scram-sha-256.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 listener.name.sasl_plaintext.scram-sha-512.sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required;
 log.dirs=$DIR/data
-num.partitions=4
-offsets.topic.replication.factor=1
-offsets.topic.num.partitions=8
-transaction.state.log.replication.factor=1
-transaction.state.log.min.isr=1
-share.coordinator.state.topic.replication.factor=1
-share.coordinator.state.topic.min.isr=1
-group.initial.rebalance.delay.ms=0
-auto.create.topics.enable=false
-# Trajectories of 8k tokens are ~70 kB raw; weight manifests and large batches more.
-message.max.bytes=16777216
-replica.fetch.max.bytes=16777216
-socket.request.max.bytes=209715200
-log.retention.hours=168
 PROPS
+  cat "$ROLLSTREAM_ROOT/infra/kafka/broker.properties" >> "$DIR/server.properties"
 }
 
 start() {

@@ -47,20 +47,10 @@ def load_run_config(path: Path = RUN_YAML):
 
 
 def settings_files(path: Path = RUN_YAML) -> dict[str, str]:
-    """{file name: content} of the settings `rollstream up` would give each component for `path`. Env workers
-    get no static engines: they find the engines through their heartbeats (`engines` topic)."""
-    from pipeline.run.plan import env_worker_children, learner_child, streams_child
+    """{file name: content} of the settings `rollstream up` would give each component for `path`."""
+    from pipeline.run.plan import component_settings
 
-    cfg = load_run_config(path)
-    scratch = Path("/nonexistent")  # only the files' contents are used, not their paths
-    children = {"streams.json": streams_child(cfg, cfg.run, scratch, 6066),
-                "env_worker.json": env_worker_children(cfg, cfg.run, scratch, MODEL_DIR, {}, cfg.envs)[0],
-                "learner.json": learner_child(cfg, cfg.run, scratch, MODEL_DIR, {}, 0)}
-    out = {}
-    for name, child in children.items():
-        (content,) = child.files.values()
-        out[name] = content + "\n"
-    return out
+    return component_settings(load_run_config(path), MODEL_DIR)
 
 
 def main() -> None:

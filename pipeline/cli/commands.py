@@ -25,6 +25,7 @@ from pipeline.cli import infra as infra_cmd
 from pipeline.cli import learner as learner_cmd
 from pipeline.cli import loss as loss_cmd
 from pipeline.cli import model as model_cmd
+from pipeline.cli import process as process_cmd
 from pipeline.cli import proxy as proxy_cmd
 from pipeline.cli import replay as replay_cmd
 from pipeline.cli import report as report_cmd
@@ -56,6 +57,7 @@ app.command("learner")(learner_cmd.learner)
 app.command("engine")(engine_cmd.engine)
 app.command("env-worker")(env_worker_cmd.env_worker)
 app.command("proxy")(proxy_cmd.proxy)
+app.command("process")(process_cmd.process)
 app.add_typer(streams_cmd.app, name="streams")
 app.command("dispatch")(dispatch_cmd.dispatch)
 bench_app.command("streams")(bench_streams.bench_streams)

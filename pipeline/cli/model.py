@@ -72,6 +72,31 @@ def init(
                    f"seed {seed})")
 
 
+@app.command("ensure")
+def ensure(config: ConfigOption = None, as_json: JsonOption = False) -> None:
+    """Make the configuration's policy (policy.path) as `rollstream up` does when it is missing: `model init`
+    then `model sft` on the configuration's tasks. An existing checkpoint is left as it is. For a
+    deployment's one-off job that runs before the engines and the learner (docker-compose.yml's `policy`).
+
+    Example: rollstream model ensure --config configs/cpu.yaml --json
+    """
+    from pipeline.run.policy import ensure_policy
+    from pipeline.run.supervision import RunFailed
+
+    cfg = load_config(config)
+    log_dir = cfg.policy_dir().parent / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    made = not (cfg.policy_dir() / "config.json").is_file()
+    try:
+        path = ensure_policy(cfg, log_dir, lambda line: typer.echo(line, err=True))
+    except RunFailed as error:
+        fail(str(error))
+    if as_json:
+        typer.echo(json.dumps({"policy": str(path), "made": made}))
+    else:
+        typer.echo(f"policy {path} ({'made' if made else 'already there'})")
+
+
 def _sample_counts(text: str, names: tuple[str, ...]) -> dict[str, int]:
     """`--samples`: one count for every family, or NAME=N pairs naming every family trained."""
     try:

@@ -89,24 +89,45 @@ class EngineRestarter:
             stack.engines[i] = self._start(e, version)
 
     def _start(self, dead: EngineProcess, version: int) -> EngineProcess:
-        from pipeline.policy.loading import (  # object store clients: only here
-            VersionUnavailable,
-            materialize_version,
-        )
-
-        model_dir, extra = self.model_dir, ()
-        if version > 0:
-            try:
-                model_dir = materialize_version(self.cfg, self.run, version, self.model_dir,
-                                                self.run_dir / "engines" / f"{dead.engine_id}.restart")
-                # Served under the run's model id, not the restart directory's path: the env workers
-                # send the id they read from the engines at start, and any other answers 404.
-                extra = ("--initial-version", str(version), "--served-name", str(self.model_dir))
-            except VersionUnavailable as error:
-                raise RunFailed(f"engine {dead.engine_id} cannot restart on version {version}: {error}") from None
+        try:
+            model_dir, extra = rejoin_model(self.cfg, self.run, version, self.model_dir,
+                                            self.run_dir / "engines" / f"{dead.engine_id}.restart")
+        except RunFailed as error:
+            raise RunFailed(f"engine {dead.engine_id} cannot restart: {error}") from None
         # On its old ports: the learner's broadcast targets and the env workers' routes stay valid, and so
         # does the metrics URL `up` listed.
         port = int(dead.url.rsplit(":", 1)[1])
         stop_listener(port)
         return launch_run_engine(self.cfg, self.run, self.run_dir, model_dir, dead.pool, dead.engine_id, port, extra,
                                  dead.metrics_port, dead.cpus)
+
+
+def rejoin_model(cfg: RollstreamConfig, run: str, version: int, model_dir: Path, out: Path) -> tuple[Path, tuple[str, ...]]:
+    """(checkpoint, extra engine options) for an engine that (re)starts when its pool holds `version`: the
+    run's policy at version 0, else that version fetched from the object store (as `rollstream eval`
+    does). Later versions reach it through `weights` as usual."""
+    from pipeline.policy.loading import (  # object store clients: only here
+        VersionUnavailable,
+        materialize_version,
+    )
+    if version == 0:
+        return model_dir, ()
+    try:
+        served = materialize_version(cfg, run, version, model_dir, out)
+    except VersionUnavailable as error:
+        raise RunFailed(f"version {version} is unavailable: {error}") from None
+    # Served under the run's model id, not the restart directory's path: the env workers send the id they
+    # read from the engines at start, and any other answers 404.
+    return served, ("--initial-version", str(version), "--served-name", str(model_dir))
+
+
+def pool_version_now(cfg: RollstreamConfig, run: str, pool: str) -> int:
+    """The version an engine of `pool` joining the run now should hold, from the learner's latest staged
+    version in the object store (0 before the first): for an engine started on its own (`rollstream process
+    engine`: a container restarted by its engine's restart policy)."""
+    from learner.publish import staged_versions  # object store clients: only here
+    from schemas import objectstore
+
+    versions = staged_versions(objectstore.client(cfg.object_store), run)
+    latest = versions[-1] if versions else 0
+    return latest if pool == "current" else stale_schedule(latest, cfg.streams.stale_step)

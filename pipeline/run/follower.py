@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from confluent_kafka import KafkaError
 
@@ -62,3 +63,31 @@ class RunFollower(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=10)
+
+
+def wait_for_run_end(kafka: KafkaSettings, run: str, max_steps: int, final_round: int | None, timeout_s: float,
+                     say: Callable[[str], None], poll_s: float = 2.0) -> bool:
+    """Follows the run from its topics' start until its learner has published version `max_steps` and the
+    validation round it triggers (`final_round`, None: none) has all its trajectories, as `rollstream up`
+    waits before its report; False when `timeout_s` passes first. For processes that end a run they did
+    not start (docker-compose.yml's report job)."""
+    view = RunView(run)
+    follower = RunFollower(kafka, view, since_ms=0)
+    follower.start()
+    deadline, said = time.monotonic() + timeout_s, None
+    try:
+        while time.monotonic() < deadline:
+            with follower.lock:
+                version = view.learner_version
+                final_done = final_round is None or view.validation_complete(final_round)
+            if version >= max_steps and final_done:
+                return True
+            progress = f"learner at version {version} of {max_steps}" + (
+                "" if version < max_steps else f"; waiting for validation round {final_round}")
+            if progress != said:
+                say(f"run {run}: {progress}")
+                said = progress
+            time.sleep(poll_s)
+        return False
+    finally:
+        follower.stop()

@@ -8,6 +8,7 @@ that have no command-line option travel whole, as the component's own settings m
 
 from __future__ import annotations
 
+import socket
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -133,3 +134,64 @@ def engine_args(cfg: RollstreamConfig) -> tuple[str, ...]:
 def final_validation_round(cfg: RollstreamConfig) -> int | None:
     """The validation round the dispatcher sends when the learner reaches max_steps (the 'after')."""
     return cfg.max_steps // cfg.mix.val_interval if cfg.mix.val_families else None
+
+
+def component_settings(cfg: RollstreamConfig, model_dir: Path) -> dict[str, str]:
+    """{file name: content} of the settings `rollstream up` gives the streams worker, the env workers and the
+    learner (their `--settings FILE`), for deployments that start each process on its own (compose,
+    Kubernetes). Env workers get no static engines: they find the engines through their heartbeats."""
+    scratch = Path("/nonexistent")  # only the files' contents are used, not their paths
+    children = {"streams.json": streams_child(cfg, cfg.run, scratch, 6066),
+                "env_worker.json": env_worker_children(cfg, cfg.run, scratch, model_dir, {}, cfg.envs)[0],
+                "learner.json": learner_child(cfg, cfg.run, scratch, model_dir, {}, 0)}
+    out = {}
+    for name, child in children.items():
+        (content,) = child.files.values()
+        out[name] = content + "\n"
+    return out
+
+
+PROCESSES = ("streams", "env-worker", "learner", "dispatcher", "engine")
+"""The processes of a run `rollstream process` can start one at a time (a deployment's services)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a process started on its own finds the others, and what it calls itself: what `up` knows
+    because it starts them all on one machine, and a deployment (compose, Kubernetes) says by name."""
+
+    pool: str = "current"                    # engine: its pool
+    engine_id: str = ""                      # engine: its id (default <run>.<pool>)
+    port: int = 8000                         # engine: the port it serves on, on every interface
+    advertise_host: str = "127.0.0.1"        # engine: the host name others reach it by
+    engine_urls: dict[str, list[str]] = field(default_factory=dict)  # learner: its weight broadcast targets
+    broadcast_host: str = "127.0.0.1"        # learner: the host name the engines reach it by
+    broadcast_port: int = 29600              # learner: its weight-sync groups' port
+    worker_id: str = ""                      # env worker: its id (default <run>-env-worker-<host name>)
+
+
+def process_child(cfg: RollstreamConfig, name: str, run_dir: Path, model_dir: Path, placement: Placement) -> Child:
+    """The command and settings files of one process of the run, as `up` starts it, for a process started
+    on its own: the learner always with --resume (a restarted one continues; a first one starts from the
+    policy), engines on every interface."""
+    run = cfg.run
+    if name == "streams":
+        return streams_child(cfg, run, run_dir, 6066)
+    if name == "env-worker":
+        child = env_worker_children(cfg, run, run_dir, model_dir, {}, cfg.envs)[0]
+        worker_id = placement.worker_id or f"{run}-env-worker-{socket.gethostname()}"
+        return replace(child, argv=child.argv[:-1] + (worker_id,))
+    if name == "learner":
+        child = learner_child(cfg, run, run_dir, model_dir, placement.engine_urls, placement.broadcast_port,
+                              resume=True)
+        return replace(child, argv=child.argv + ("--broadcast-host", placement.broadcast_host))
+    if name == "dispatcher":
+        return dispatcher_child(cfg, run, run_dir)
+    if name == "engine":
+        engine_id = placement.engine_id or f"{run}.{placement.pool}"
+        return Child(f"engine-{placement.pool}", command(
+            "engine", "--pool", placement.pool, "--model", str(model_dir), "--port", str(placement.port),
+            "--engine-id", engine_id, "--run", run, "--work-dir", str(run_dir / "engines" / engine_id),
+            "--host", "0.0.0.0", "--advertise-url", f"http://{placement.advertise_host}:{placement.port}",
+            *engine_args(cfg)))
+    raise ValueError(f"unknown process {name!r}: choose from {', '.join(PROCESSES)}")

@@ -46,8 +46,9 @@ WITH_CONFIG = sorted(path for path, command in COMMANDS.items()
 def _harmless(param, tmp_path: Path) -> list[str]:
     """A value of the option's type that passes parsing and starts nothing."""
     kind = param.type_descriptor.annotation
+    name = [] if param.param_type_name == "argument" else [param.opts[0]]  # an argument is its value alone
     if isinstance(kind, type) and issubclass(kind, enum.Enum):
-        return [param.opts[0], next(iter(kind)).value]
+        return [*name, next(iter(kind)).value]
     if kind in (int, float):
         return [param.opts[0], "1"]
     if param.opts[0] == "--out":

@@ -13,15 +13,14 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import typer
 import yaml
 from torch.distributed.run import get_args_parser
 
 from env_workers.worker_settings import EnvWorkerSettings
-from pipeline import cli
 from pipeline.run.config import REPO_ROOT
 from pipeline.run.plan import dispatcher_child, engine_args, streams_app_id
 from schemas import topics
+from tests.helpers.command_line import parse_rollstream
 
 K8S = REPO_ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.33.0"
@@ -118,24 +117,8 @@ def _rollstream_args(container: dict) -> list[str]:
     raise AssertionError(f"container {container['name']} runs {full[0]!r}, not rollstream")
 
 
-def _parse(args: list[str]) -> tuple[str, dict]:
-    """(subcommand path, params) of `args` parsed by the real rollstream command tree; a bad option raises."""
-    command = typer.main.get_command(cli.app)
-    ctx = command.make_context("rollstream", [], resilient_parsing=True)  # the group's context only
-    path = []
-    while hasattr(command, "get_command"):  # a group (typer carries its own click: no isinstance check)
-        assert args, f"`rollstream {' '.join(path)}` needs a subcommand"
-        name, args = args[0], args[1:]
-        command = command.get_command(ctx, name)
-        assert command is not None, f"no subcommand {name!r} under `rollstream {' '.join(path)}`"
-        path.append(name)
-        ctx = command.context_class(command, info_name=name, parent=ctx)
-    params = command.make_context(path[-1], list(args), parent=ctx.parent, resilient_parsing=False).params
-    return " ".join(path), params
-
-
 def _parsed_containers() -> list[tuple[dict, dict, str, dict]]:
-    return [(obj, container, *_parse(_rollstream_args(container))) for obj, _, container in _containers()]
+    return [(obj, container, *parse_rollstream(_rollstream_args(container))) for obj, _, container in _containers()]
 
 
 @pytest.fixture(scope="module")
@@ -225,9 +208,9 @@ def test_every_container_command_is_accepted_by_the_real_rollstream_command_line
 
 def test_the_command_line_check_refuses_an_option_that_does_not_exist():
     with pytest.raises(Exception, match="No such option"):
-        _parse(["env-worker", "--run", "r", "--model", "/m", "--concurency", "8"])
+        parse_rollstream(["env-worker", "--run", "r", "--model", "/m", "--concurency", "8"])
     with pytest.raises(Exception, match="No such option"):
-        _parse(["streams", "worker", "--run-id", "r"])
+        parse_rollstream(["streams", "worker", "--run-id", "r"])
     with pytest.raises(SystemExit):  # torchrun's argparse
         _rollstream_args({"name": "x", "command": ["torchrun"], "args": ["--nproc-per-gpu", "2", "-m",
                                                                           "pipeline.cli.learner"]})
@@ -302,7 +285,7 @@ def test_engines_serve_off_loopback_advertise_their_stable_name_and_take_the_run
 def test_the_learner_resumes_broadcasts_to_every_engine_and_runs_one_rank_per_gpu(cfg):
     job = _named("Job", "rollstream-learner")
     (container,) = job["spec"]["template"]["spec"]["containers"]
-    _, params = _parse(_rollstream_args(container))
+    _, params = parse_rollstream(_rollstream_args(container))
     assert params["resume"] is True  # the same command for the first start and every restart
     assert params["max_steps"] == cfg.max_steps
     for pool, count in (("current", cfg.engines.current), ("stale", cfg.engines.stale)):
