@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -28,7 +29,8 @@ def process(
                                          "(repeat for each engine)."),
     broadcast_host: str = typer.Option("127.0.0.1", "--broadcast-host", help="learner: the host name engines reach it by."),
     broadcast_port: int = typer.Option(29600, "--broadcast-port", help="learner: its weight-sync groups' port."),
-    worker_id: str = typer.Option("", "--worker-id", help="env worker: its id (default RUN-env-worker-HOSTNAME)."),
+    worker_id: str = typer.Option("", "--worker-id", help="env worker: its id (default RUN-env-worker-HOSTNAME: "
+                                  "scaled containers are told apart by their host names)."),
     metrics_port: int | None = typer.Option(None, "--metrics-port", min=0, max=65535,
                                             help="Serve Prometheus metrics on this port."),
     metrics_host: str = typer.Option("127.0.0.1", "--metrics-host", help="Address the metrics bind: 0.0.0.0 for a "
@@ -52,6 +54,7 @@ def process(
     if pool not in ("current", "stale"):
         fail(f"--pool: expected current or stale, got {pool!r}")
     engine_id = engine_id or f"{cfg.run}.{pool}"
+    worker_id = worker_id or f"{cfg.run}-env-worker-{socket.gethostname()}"
     placement = Placement(pool=pool, engine_id=engine_id, port=port, advertise_host=advertise_host, engine_urls=urls,
                           broadcast_host=broadcast_host, broadcast_port=broadcast_port, worker_id=worker_id)
     run_dir, model_dir, extra = cfg.run_dir(cfg.run), cfg.policy_dir(), ()

@@ -8,7 +8,6 @@ that have no command-line option travel whole, as the component's own settings m
 
 from __future__ import annotations
 
-import socket
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -167,7 +166,7 @@ class Placement:
     engine_urls: dict[str, list[str]] = field(default_factory=dict)  # learner: its weight broadcast targets
     broadcast_host: str = "127.0.0.1"        # learner: the host name the engines reach it by
     broadcast_port: int = 29600              # learner: its weight-sync groups' port
-    worker_id: str = ""                      # env worker: its id (default <run>-env-worker-<host name>)
+    worker_id: str = ""                      # env worker: its id (default <run>-env-worker-0, as up's first)
 
 
 def process_child(cfg: RollstreamConfig, name: str, run_dir: Path, model_dir: Path, placement: Placement) -> Child:
@@ -179,8 +178,10 @@ def process_child(cfg: RollstreamConfig, name: str, run_dir: Path, model_dir: Pa
         return streams_child(cfg, run, run_dir, 6066)
     if name == "env-worker":
         child = env_worker_children(cfg, run, run_dir, model_dir, {}, cfg.envs)[0]
-        worker_id = placement.worker_id or f"{run}-env-worker-{socket.gethostname()}"
-        return replace(child, argv=child.argv[:-1] + (worker_id,))
+        if not placement.worker_id:
+            return child
+        assert child.argv[-2] == "--worker-id"  # up's env workers end with their id
+        return replace(child, argv=child.argv[:-1] + (placement.worker_id,))
     if name == "learner":
         child = learner_child(cfg, run, run_dir, model_dir, placement.engine_urls, placement.broadcast_port,
                               resume=True)
