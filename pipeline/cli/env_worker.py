@@ -24,13 +24,13 @@ from pipeline.run.config import load_config, validation_message
 from pipeline.run.env_worker import serve
 
 
-def parse_engines(specs: list[str]) -> dict[str, list[str]]:
+def parse_engines(specs: list[str], option: str = "--engine") -> dict[str, list[str]]:
     """["current=http://h:8000", "stale=http://h:8001"] -> {"current": [...], "stale": [...]}."""
     engines: dict[str, list[str]] = {}
     for spec in specs:
         pool, sep, url = spec.partition("=")
         if not sep or pool not in ("current", "stale") or not url.startswith(("http://", "https://")):
-            raise ValueError(f"--engine must be current=URL or stale=URL, got {spec!r}")
+            raise ValueError(f"{option} must be current=URL or stale=URL, got {spec!r}")
         engines.setdefault(pool, []).append(url)
     return engines
 

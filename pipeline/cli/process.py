@@ -10,6 +10,8 @@ from pathlib import Path
 
 import typer
 
+from pipeline.cli.engine import Pool
+from pipeline.cli.env_worker import parse_engines
 from pipeline.cli.toolkit import ConfigOption, fail
 from pipeline.run.config import load_config, write_private
 from pipeline.run.plan import PROCESSES, Placement, process_child
@@ -21,7 +23,7 @@ Process = enum.Enum("Process", {name.replace("-", "_"): name for name in PROCESS
 def process(
     process_name: Process = typer.Argument(..., metavar="NAME", help="The process: " + ", ".join(PROCESSES) + "."),
     config: ConfigOption = None,
-    pool: str = typer.Option("current", "--pool", help="engine: its pool, current or stale."),
+    pool: Pool = typer.Option(Pool.current, "--pool", help="engine: its pool, current or stale."),
     engine_id: str = typer.Option("", "--engine-id", help="engine: its id (default RUN.POOL)."),
     port: int = typer.Option(8000, "--port", help="engine: the port it serves on (every interface)."),
     advertise_host: str = typer.Option("127.0.0.1", "--advertise-host", help="engine: the host name others reach it by."),
@@ -45,14 +47,11 @@ def process(
     """
     name = process_name.value
     cfg = load_config(config)
-    urls: dict[str, list[str]] = {}
-    for pair in engine_url:
-        engine_pool, sep, url = pair.partition("=")
-        if not sep or engine_pool not in ("current", "stale") or not url:
-            fail(f"--engine-url: expected current=URL or stale=URL, got {pair!r}")
-        urls.setdefault(engine_pool, []).append(url)
-    if pool not in ("current", "stale"):
-        fail(f"--pool: expected current or stale, got {pool!r}")
+    try:
+        urls = parse_engines(engine_url, "--engine-url")
+    except ValueError as error:
+        fail(str(error))
+    pool = pool.value
     engine_id = engine_id or f"{cfg.run}.{pool}"
     worker_id = worker_id or f"{cfg.run}-env-worker-{socket.gethostname()}"
     placement = Placement(pool=pool, engine_id=engine_id, port=port, advertise_host=advertise_host, engine_urls=urls,

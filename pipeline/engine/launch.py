@@ -186,6 +186,18 @@ def popen_tied(command: list[str], *, death_signal: int = signal.SIGTERM, **pope
     return subprocess.Popen([*prelude, *command], **popen)
 
 
+def engine_command(*, pool: str, model_dir: Path, run: str, port: int, engine_id: str, work_dir: Path,
+                   bind_host: str, advertise_host: str | None, extra_args: tuple[str, ...] = ()) -> list[str]:
+    """The command line of one engine (`rollstream engine` as its module): what `launch_engine` starts here
+    and `rollstream process engine` execs in a container of its own."""
+    command = [sys.executable, "-m", "pipeline.cli.engine", "--pool", pool, "--model", str(model_dir),
+               "--port", str(port), "--engine-id", engine_id, "--run", run,
+               "--work-dir", str(work_dir), "--host", bind_host, *extra_args]
+    if advertise_host:
+        command += ["--advertise-url", f"http://{advertise_host}:{port}"]
+    return command
+
+
 def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port: int | None = None,
                   engine_id: str | None = None, extra_args: tuple[str, ...] = (),
                   cwd: Path | None = None, bind_host: str = "127.0.0.1",
@@ -201,11 +213,9 @@ def launch_engine(*, pool: str, model_dir: Path, run: str, work_dir: Path, port:
     engine_id = engine_id or f"{pool}-{port}"
     work_dir.mkdir(parents=True, exist_ok=True)
     log_path = work_dir / f"{engine_id}.log"
-    command = [sys.executable, "-m", "pipeline.cli.engine", "--pool", pool, "--model", str(model_dir),
-               "--port", str(port), "--engine-id", engine_id, "--run", run,
-               "--work-dir", str(work_dir / engine_id), "--host", bind_host, *extra_args]
-    if advertise_host:
-        command += ["--advertise-url", f"http://{advertise_host}:{port}"]
+    command = engine_command(pool=pool, model_dir=model_dir, run=run, port=port, engine_id=engine_id,
+                             work_dir=work_dir / engine_id, bind_host=bind_host, advertise_host=advertise_host,
+                             extra_args=extra_args)
     if metrics_port is not None:
         command += ["--metrics-port", str(metrics_port)]
     if cpus != "auto":

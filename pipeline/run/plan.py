@@ -14,6 +14,7 @@ from pathlib import Path
 
 from env_workers.envs.base import EnvSettings
 from env_workers.worker_settings import EnvWorkerSettings
+from pipeline.engine.launch import engine_command
 from pipeline.run.config import RollstreamConfig, settings_json
 from schemas.prometheus import metrics_url
 from streams.app import COMPONENTS
@@ -190,9 +191,8 @@ def process_child(cfg: RollstreamConfig, name: str, run_dir: Path, model_dir: Pa
         return dispatcher_child(cfg, run, run_dir)
     if name == "engine":
         engine_id = placement.engine_id or f"{run}.{placement.pool}"
-        return Child(f"engine-{placement.pool}", command(
-            "engine", "--pool", placement.pool, "--model", str(model_dir), "--port", str(placement.port),
-            "--engine-id", engine_id, "--run", run, "--work-dir", str(run_dir / "engines" / engine_id),
-            "--host", "0.0.0.0", "--advertise-url", f"http://{placement.advertise_host}:{placement.port}",
-            *engine_args(cfg)))
+        return Child(f"engine-{placement.pool}", tuple(engine_command(
+            pool=placement.pool, model_dir=model_dir, run=run, port=placement.port, engine_id=engine_id,
+            work_dir=run_dir / "engines" / engine_id, bind_host="0.0.0.0", advertise_host=placement.advertise_host,
+            extra_args=engine_args(cfg))))
     raise ValueError(f"unknown process {name!r}: choose from {', '.join(PROCESSES)}")
