@@ -88,7 +88,7 @@ def next_token_logits_and_features(model: torch.nn.Module, input_ids: Tensor, at
     state at the same positions, detached (B, T-1, H): position t's state is the one token t+1 is sampled in."""
     out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
     logits = out.logits[:, :-1, :].float() / temperature  # (B, T-1, V)
-    features = out.hidden_states[-1][:, :-1, :].detach()  # (B, T-1, H), after the final norm
+    features = out.hidden_states[-1][:, :-1, :].detach().float()  # (B, T-1, H), after the final norm; float32 under autocast too
     return logits, features
 
 

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from schemas.precision import Precision
 from schemas.prometheus import MetricsHost, MetricsPort
 
 PolicyLoss = Literal["ppo", "cispo", "decoupled"]
@@ -61,6 +62,11 @@ class LearnerSettings(BaseModel):
     a setting of its own there; here it is [1/C, C])."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm, AgentRL's (verl's) 1.0."""
+    compute_dtype: Precision = "float32"
+    """What the policy's forward passes compute in (not in the paper): bfloat16 is torch autocast (matrix products in
+    bfloat16; weights, optimizer state, log-softmax and loss float32); auto is bfloat16 on a CPU with AMX-BF16 or
+    AVX512-BF16, float32 elsewhere (schemas/precision.py). float32 by default: on the default policy's shape the
+    casts cost more than the bfloat16 products save (docs/BENCHMARKS.md, "bench precision")."""
     max_tokens_per_micro_batch: int = Field(16384, gt=0)
     """Padded tokens per micro-batch (rows x longest row), verl's ppo_max_token_len_per_gpu 16384."""
     share_prompts: bool = True

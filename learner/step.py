@@ -42,6 +42,7 @@ from learner import sao
 from learner.loss import dis_policy_loss, next_token_logits, policy_loss, token_entropy, token_logprobs
 from learner.microbatch import BatchItem, MicroBatch, make_micro_batches, rank_share
 from learner.settings import LearnerSettings
+from schemas.precision import host_cpu_flags, learner_dtype
 
 
 class GradientSync(Protocol):
@@ -95,6 +96,14 @@ def _total_norm(grad_norm: torch.Tensor) -> float:
     # Under FSDP2 the norm is a replicated DTensor; full_tensor() reads its value.
     full = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
     return float(full)  # CPU-GPU sync point, once per step
+
+
+def forward_precision(settings: LearnerSettings, device: torch.device) -> contextlib.AbstractContextManager:
+    """The policy's forward passes in the learner's compute dtype (schemas/precision.py): under bfloat16, torch
+    autocast runs the matrix products in bfloat16 while the weights, AdamW's state and the loss stay float32
+    (next_token_logits returns float32 logits)."""
+    dtype = learner_dtype(settings.compute_dtype, on_gpu=device.type == "cuda", flags=host_cpu_flags())
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bfloat16")
 
 
 def train_step(
@@ -193,7 +202,7 @@ def _logprobs_without_graph(policy: torch.nn.Module, micro_batches: Sequence[Mic
     policy_device = _device_of(policy)
     policy.eval()
     out: list[torch.Tensor] = []
-    with torch.no_grad():
+    with torch.no_grad(), forward_precision(settings, policy_device):
         for mb in micro_batches:
             input_ids, p = _tensor(mb.input_ids, policy_device), mb.prefix_len  # (B, T)
             logits = next_token_logits(
@@ -217,7 +226,8 @@ def _accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[MicroB
         mb = micro_batches[index]
         local = sync is not None and n < len(share) - 1
         if critic is not None:
-            loss, metrics = _sao_actor_loss(model, critic, mb, ref_lp, global_action_tokens, settings, critic_batch)
+            with forward_precision(settings, device):
+                loss, metrics = _sao_actor_loss(model, critic, mb, ref_lp, global_action_tokens, settings, critic_batch)
             (loss * weight).backward()  # one process: no rank scaling
             for name, value in (metrics | {"actor/loss": loss.detach()}).items():
                 shares[name].append(value * weight)
@@ -225,7 +235,8 @@ def _accumulate_gradients(model: torch.nn.Module, micro_batches: Sequence[MicroB
         with sync.skip_sync() if local else contextlib.nullcontext():
             # From the shared prefix's end on (P = 0 without one): nothing before it is an action token.
             input_ids, p = _tensor(mb.input_ids, device), mb.prefix_len  # (B, T)
-            logits = next_token_logits(model, input_ids, _tensor(mb.attention_mask, device), settings.temperature, p)
+            with forward_precision(settings, device):
+                logits = next_token_logits(model, input_ids, _tensor(mb.attention_mask, device), settings.temperature, p)
             logprobs = token_logprobs(logits, input_ids[:, p:])  # (B, T-1-P)
             entropy = token_entropy(logits if settings.entropy_coef > 0 else logits.detach())  # (B, T-1-P)
             loss, metrics = policy_loss(

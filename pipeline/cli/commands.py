@@ -10,6 +10,7 @@ from pipeline.bench import faults as bench_faults
 from pipeline.bench import learner as bench_learner
 from pipeline.bench import peer as bench_peer
 from pipeline.bench import pipeline as bench_pipeline
+from pipeline.bench import precision as bench_precision
 from pipeline.bench import rollout as bench_rollout
 from pipeline.bench import scale as bench_scale
 from pipeline.bench import streams as bench_streams
@@ -68,6 +69,7 @@ bench_app.command("scale")(bench_scale.bench_scale)
 bench_app.command("pipeline")(bench_pipeline.bench_pipeline)
 bench_app.command("peer")(bench_peer.bench_peer)
 bench_app.command("weights")(bench_weights.bench_weights)
+bench_app.command("precision")(bench_precision.bench_precision)
 app.command("up")(up_cmd.up)
 app.command("study")(study_cmd.study)
 app.command("eval")(eval_cmd.eval_checkpoint)

@@ -160,6 +160,9 @@ def sft(
     micro_tokens: int = typer.Option(SftSettings().max_tokens_per_micro_batch, "--micro-batch-tokens",
                                      help="Token budget of one micro-batch."),
     seed: int = typer.Option(SftSettings().seed, "--seed", help="Seed of the demonstration order."),
+    compute_dtype: str = typer.Option(SftSettings().compute_dtype, "--compute-dtype",
+                                      help="float32, bfloat16 (autocast; weights stay float32) or auto (bfloat16 "
+                                           "on a CPU with AMX-BF16 or AVX512-BF16)."),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0,
                                          help="Also write a checkpoint after every N steps, to OUT/steps/NNNNNN "
                                               "(0: only the final one); `model eval` measures each."),
@@ -189,7 +192,8 @@ def sft(
     eval_splits = _family_splits("--eval-split", eval_split, names)
     try:
         settings = SftSettings(families=names, samples=counts, epochs=epochs, batch_size=batch_size, lr=lr,
-                               max_tokens_per_micro_batch=micro_tokens, seed=seed, train_splits=train_splits)
+                               max_tokens_per_micro_batch=micro_tokens, seed=seed, train_splits=train_splits,
+                               compute_dtype=compute_dtype)
         evaluation = EvalSettings(episodes=eval_episodes, splits=eval_splits)
     except ValidationError as error:
         fail(f"{error.errors()[0]['loc'][0]}: {error.errors()[0]['msg']}")

@@ -36,6 +36,7 @@ from pipeline.engine.updates import EngineControl, UpdateRefused, download_links
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
 from schemas.bus import ConsumedEvent, DeliveryError, EventConsumer, EventProducer
+from schemas.precision import Precision, engine_dtype, host_cpu_flags
 from schemas.prometheus import MetricsHost, MetricsPort, reachable_host, serve_metrics
 
 # What refuses one version (the engine keeps serving the one it had), whichever path loads it.
@@ -65,6 +66,9 @@ class EngineSettings(BaseModel):
     """The stale pool loads every stale_step-th version: AgentRL stale_step 25."""
     max_model_len: int = 8192
     """Longest sequence served: the paper's max_total_len 8192."""
+    dtype: Precision = "auto"
+    """vLLM's --dtype (not in the paper): auto serves bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, float32 on
+    other CPUs, and vLLM's own choice on a GPU (schemas/precision.py)."""
     heartbeat_interval_s: float = 2.0
     """Seconds between heartbeats (not in the paper): an unanswering engine is flagged within this plus the probe timeout."""
     probe_timeout_s: float = 2.0
@@ -244,7 +248,8 @@ def start_server(settings: EngineSettings, job: EngineJob, api_key: SecretStr | 
     on_gpu = _cuda_available()
     env = server_environment(os.environ, settings, job, api_key)
     command = vllm_command(str(job.model), host=job.host, port=job.port, max_model_len=settings.max_model_len,
-                           dtype="auto" if on_gpu else "float32", enforce_eager=not on_gpu,
+                           dtype=engine_dtype(settings.dtype, on_gpu=on_gpu, flags=host_cpu_flags()),
+                           enforce_eager=not on_gpu,
                            chunked_prefill=on_gpu, served_name=job.served_name)
     # vLLM's own log goes to our stderr; the server gets its own session so SIGTERM reaches its children,
     # and is tied to us: SIGTERM when we die without our cleanup (SIGKILL), instead of serving on as an orphan.

@@ -50,6 +50,7 @@ from pipeline.policy.splits import EVAL_SPLITS, TRAIN_SPLITS
 from pipeline.engine.launch import EngineProcess, launch_engine
 from pipeline.analysis.evaluation import is_success
 from schemas.ids import group_id, trajectory_id
+from schemas.precision import Precision, cpu_dtype, host_cpu_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # Files of a checkpoint that hold weights: everything else (tokenizer, template, ...) is copied as is.
@@ -90,6 +91,11 @@ class SftSettings(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """Final learning rate as a share of the peak."""
     grad_clip: float = Field(1.0, gt=0.0)
+    compute_dtype: Precision = "float32"
+    """What the forward and backward passes compute in (schemas/precision.py; bfloat16 is torch autocast, the weights
+    and AdamW's state stay float32). float32 by default, unlike the learner: the recipe above was measured in
+    float32, and whether a model this size learns to copy operands depends on the arithmetic's order (seed 2,
+    docs/RESULTS.md); bfloat16 was not measured for it."""
     """Gradient-norm clip."""
     max_tokens_per_micro_batch: int = Field(65536, ge=1)
     """Token budget of one micro-batch (rows x longest row), as the learner packs its batches; 12 kg rows
@@ -189,13 +195,15 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, demos: 
                lr: float, settings: SftSettings, pad_token_id: int) -> float:
     """One optimizer step on `demos`: token-mean loss over all their assistant tokens; returns that loss."""
     targets = sum(d.target_tokens for d in demos)
+    dtype = cpu_dtype(settings.compute_dtype, host_cpu_flags())  # model sft trains on the CPU
     total = 0.0
     for micro in micro_batches(demos, settings, pad_token_id):
         # A family's system prompt and tool schemas, spelled byte by byte, are 1,400-4,700 of a demonstration's
         # 1,700-5,100 tokens: run once per micro-batch (learner/loss.py next_token_logits).
         prefix_len = shared_prefix_length(micro)
         ids = torch.from_numpy(micro.input_ids)  # (B, T)
-        logits = next_token_logits(model, ids, torch.from_numpy(micro.attention_mask), 1.0, prefix_len)  # (B, T-1-P, V)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            logits = next_token_logits(model, ids, torch.from_numpy(micro.attention_mask), 1.0, prefix_len)  # (B, T-1-P, V)
         loss_sum = masked_token_losses(logits, ids[:, prefix_len:],
                                        torch.from_numpy(micro.loss_mask[:, prefix_len:])).sum()
         (loss_sum / targets).backward()  # gradients accumulate to the batch's token mean

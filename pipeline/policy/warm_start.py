@@ -32,6 +32,7 @@ from pipeline.policy.sft import (
     success_table,
     train,
 )
+from schemas.precision import cpu_dtype, host_cpu_flags
 
 
 def progress_bar(total: int, desc: str, unit: str, quiet: bool) -> tqdm:
@@ -101,6 +102,7 @@ def fine_tune(model: Path, out: Path, demos: list[Demonstration], settings: SftS
     save_checkpoint(policy, model, out)
     first, last = loss_window(losses)
     return {"steps": len(losses), "epochs": settings.epochs, "batch_size": settings.batch_size, "lr": settings.lr,
+            "compute_dtype": cpu_dtype(settings.compute_dtype, host_cpu_flags()),
             "first_loss": first, "last_loss": last, "train_s": round(train_s, 2),
             **({"checkpoints": written} if checkpoint_every else {})}
 

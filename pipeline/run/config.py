@@ -23,6 +23,7 @@ from env_workers.envs.base import EnvSettings
 from env_workers.proxy_settings import ProxySettings
 from env_workers.settings import AgentLoopSettings
 from learner.settings import LearnerSettings
+from schemas.precision import Precision
 from schemas.settings import KafkaSettings, ObjectStoreSettings
 from streams.settings import StreamsSettings
 
@@ -70,6 +71,9 @@ class EngineFleetSettings(BaseModel):
     """Engines of the stale pool (AgentRL: 25%); 0 turns cross-policy sampling off."""
     max_model_len: int = Field(8192, ge=16)
     """Longest sequence an engine serves (AgentRL max_total_len 8192)."""
+    dtype: Precision = "auto"
+    """What the engines serve in (not in the paper): auto is bfloat16 on a CPU with AMX-BF16 or AVX512-BF16,
+    float32 on other CPUs, vLLM's own choice on a GPU (schemas/precision.py)."""
     start_timeout_s: float = Field(600.0, gt=0)
     """How long an engine may take to serve (30-80 s on 2 CPU cores)."""
     bind_host: str = "127.0.0.1"

@@ -128,7 +128,8 @@ def dispatcher_child(cfg: RollstreamConfig, run: str, run_dir: Path) -> Child:
 
 def engine_args(cfg: RollstreamConfig) -> tuple[str, ...]:
     """Options every engine of the run gets beside its pool, model and port."""
-    return ("--stale-step", str(cfg.streams.stale_step), "--max-model-len", str(cfg.engines.max_model_len))
+    return ("--stale-step", str(cfg.streams.stale_step), "--max-model-len", str(cfg.engines.max_model_len),
+            "--dtype", cfg.engines.dtype)
 
 
 def final_validation_round(cfg: RollstreamConfig) -> int | None:

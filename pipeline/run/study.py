@@ -65,6 +65,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # 8 give; critic_lr for its 256-wide policy over 24 steps (verl's 1e-5 barely moves a linear head that narrow)
     "sao": {"streams": {"group_size": 1, "min_members": 1, "advantage": "none", "batch_size": 48},
             "learner": {"advantage_estimator": "sao", "critic_lr": 1e-3}},
+    # arithmetic (schemas/precision.py): the engines and the learner in one dtype, whatever the configuration says
+    "float32": {"engines": {"dtype": "float32"}, "learner": {"compute_dtype": "float32"}},
+    "bfloat16": {"engines": {"dtype": "bfloat16"}, "learner": {"compute_dtype": "bfloat16"}},
 }
 """Variant name -> the configuration overrides it runs with (nested as in the YAML file)."""
 

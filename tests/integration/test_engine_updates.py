@@ -82,7 +82,8 @@ def engine(infra, tmp_path_factory) -> Iterator[Engine]:
     run, engine_id = f"engine-test-{uuid.uuid4().hex[:8]}", f"current-{uuid.uuid4().hex[:8]}"
     heartbeats = EventConsumer(infra.kafka, f"test-heartbeats-{engine_id}", [topics.ENGINES], auto_offset_reset="latest")
     heartbeats.poll(2.0)  # join the group before the engine's first heartbeat
-    args = ("--max-model-len", "2048", "--heartbeat-s", str(HEARTBEAT_S), "--stall-after-s", str(STALL_S))
+    # float32: the engine must serve exactly the learner's weights, compared with a float32 torch forward
+    args = ("--max-model-len", "2048", "--heartbeat-s", str(HEARTBEAT_S), "--stall-after-s", str(STALL_S), "--dtype", "float32")
     served: EngineProcess | None = None
     try:
         with serving_engine(model_dir, tmp_path_factory.mktemp("engines"), run=run, engine_id=engine_id,

@@ -123,7 +123,7 @@ def test_each_version_reaches_the_engine_by_broadcast_or_from_minio_and_matches_
     model_dir = tmp_path / "policy"
     init_model(TINY, model_dir)
     with serving_engine(model_dir, tmp_path / "engines", run=run,
-                        args=("--max-model-len", "1024", "--heartbeat-s", "1")) as (engine, _):
+                        args=("--max-model-len", "1024", "--heartbeat-s", "1", "--dtype", "float32")) as (engine, _):
         before, _, version = _engine(engine.url, model_dir, 16, 0.0)
         assert version == 0
 

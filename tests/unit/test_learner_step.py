@@ -213,3 +213,18 @@ def test_the_warmup_follows_the_optimizers_own_step_count_so_a_resumed_learner_c
     restored = make_optimizer(resumed, settings)
     restored.load_state_dict(optimizer.state_dict())
     assert train_step(resumed, ref, restored, items, settings)["actor/lr"] == pytest.approx(1e-3)
+
+
+def test_a_bfloat16_step_keeps_float32_weights_and_moves_them_as_the_float32_step_does(settings):
+    model = tiny_model()
+    items = on_policy_batch(model, [1.0, -0.5, 2.0, 1.0])
+    moved = {}
+    for dtype in ("float32", "bfloat16"):
+        actor = copy.deepcopy(model)
+        chosen = settings.model_copy(update={"compute_dtype": dtype})
+        metrics = train_step(actor, copy.deepcopy(model), make_optimizer(actor, chosen), items, chosen)
+        assert all(p.dtype == torch.float32 for p in actor.parameters())
+        assert np.isfinite(metrics["actor/loss"])
+        moved[dtype] = torch.cat([(a - b).flatten() for a, b in zip(actor.parameters(), model.parameters())])
+    # Autocast changes the products' rounding, not the step: both move the weights the same way.
+    assert torch.nn.functional.cosine_similarity(moved["float32"], moved["bfloat16"], dim=0) > 0.9

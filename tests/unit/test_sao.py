@@ -149,6 +149,17 @@ def test_the_learner_trains_the_policy_and_the_critic_with_sao(actor_and_batch):
     assert metrics["actor/advantage_mean"] == pytest.approx(float(np.mean(expected)), rel=1e-5)
 
 
+def test_sao_trains_under_bfloat16_autocast_with_a_float32_critic(actor_and_batch):
+    base, items = actor_and_batch
+    model = copy.deepcopy(base)
+    settings = SAO.model_copy(update={"compute_dtype": "bfloat16"})
+    critic = make_critic(model, settings)
+    metrics = train_step(model, copy.deepcopy(base), make_optimizer(model, settings), items, settings, critic=critic)
+    assert all(math.isfinite(v) for v in metrics.values())
+    assert metrics["critic/value_loss_after"] < metrics["critic/value_loss"]
+    assert critic.head.linear.weight.dtype == torch.float32
+
+
 @pytest.mark.parametrize("updates", [2, 3])
 def test_the_critic_takes_its_updates_per_actor_step(actor_and_batch, updates):
     base, items = actor_and_batch

@@ -124,9 +124,9 @@ def test_validation_sample_counts_are_one_number_or_per_family():
         parse_limit("calc:32")
 
 
-def test_engines_get_the_stale_step_and_sequence_limit(cfg):
+def test_engines_get_the_stale_step_sequence_limit_and_dtype(cfg):
     assert engine_args(cfg) == ("--stale-step", str(cfg.streams.stale_step),
-                                "--max-model-len", str(cfg.engines.max_model_len))
+                                "--max-model-len", str(cfg.engines.max_model_len), "--dtype", cfg.engines.dtype)
 
 
 def test_the_run_ends_with_the_validation_round_of_its_last_step(cfg):
