@@ -1,13 +1,14 @@
 """Which floating-point format the engines serve and the learner computes in, on the hardware at hand.
 
-`auto` (the default of `engines.dtype`; an option of `learner.compute_dtype` and `model sft --compute-dtype`,
-whose defaults are float32) picks bfloat16 on a CPU whose instruction set multiplies bfloat16 natively
-(AMX-BF16 or AVX512-BF16: the `amx_bf16` / `avx512_bf16` flags of /proc/cpuinfo) and float32 on any other CPU,
-where bfloat16 is emulated. Why the defaults differ is measured in docs/BENCHMARKS.md, "bench precision": on
-this project's two-core Xeons bfloat16 engines served 1.32x the tokens/s and shortened a rollout-bound run by
-19%, while the learner's step gained nothing beside the engines. On a GPU an engine's `auto` is vLLM's own (the
-checkpoint's dtype, bfloat16 for float32 checkpoints) and the learner's is float32: its bfloat16 step on a GPU
-was not measured here.
+`auto` (an option of `engines.dtype`, `learner.compute_dtype` and `model sft --compute-dtype`) picks bfloat16 on
+a CPU whose instruction set multiplies bfloat16 natively (AMX-BF16 or AVX512-BF16: the `amx_bf16` /
+`avx512_bf16` flags of /proc/cpuinfo) and float32 on any other CPU, where bfloat16 is emulated. On a GPU an
+engine's `auto` is vLLM's own (the checkpoint's dtype, bfloat16 for float32 checkpoints) and the learner's is
+float32: its bfloat16 step on a GPU was not measured here. Every default is float32 on a CPU (docs/BENCHMARKS.md,
+"bench precision"): bfloat16 engines served 1.32x the tokens/s and shortened a rollout-bound run by 19% on this
+project's two-core Xeons, but a re-rollout on them (after a crash or a rebalance) no longer repeats its
+log-probs within the 1e-4 that `replay verify` and `bench faults` hold a re-rollout to, and the learner's step
+gained nothing beside the engines.
 
 The learner's bfloat16 is torch autocast: the matrix products run in bfloat16 while the weights, the
 optimizer state, the log-softmax and the loss stay float32 (learner/loss.py next_token_logits casts
@@ -58,8 +59,12 @@ def cpu_dtype(setting: Precision, flags: Iterable[str]) -> Literal["float32", "b
     return "bfloat16" if bf16_native(flags) else "float32"
 
 
-def engine_dtype(setting: Precision, *, on_gpu: bool, flags: Iterable[str]) -> str:
-    """vLLM's --dtype for an engine: on a GPU `auto` is vLLM's own choice, on a CPU it is `cpu_dtype`'s."""
+def engine_dtype(setting: Precision | None, *, on_gpu: bool, flags: Iterable[str]) -> str:
+    """vLLM's --dtype for an engine: on a GPU `auto` is vLLM's own choice, on a CPU it is `cpu_dtype`'s. None (the
+    engines' default) is float32 on a CPU, where a re-rollout must repeat its log-probs within replay verify's
+    tolerance, and vLLM's own choice on a GPU."""
+    if setting is None:
+        return "auto" if on_gpu else "float32"
     if on_gpu:
         return setting
     return cpu_dtype(setting, flags)

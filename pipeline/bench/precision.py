@@ -51,7 +51,7 @@ from env_workers.settings import AgentLoopSettings
 from learner.loss import next_token_logits, token_logprobs
 from learner.microbatch import BatchItem
 from learner.settings import LearnerSettings
-from learner.step import make_optimizer, train_step
+from learner.step import forward_precision, make_optimizer, train_step
 from pipeline.bench.precision_logic import agreement, rate, speedup
 from pipeline.bench.rollout import RANDOM_LARGE, random_large_checkpoint
 from pipeline.engine.launch import EngineProcess, launch_engine
@@ -111,15 +111,11 @@ async def generate(url: str, prompts: Sequence[list[int]], max_new_tokens: int, 
         return list(sampled), time.perf_counter() - started
 
 
-def autocast(dtype: str) -> contextlib.AbstractContextManager:
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16")
-
-
 def learner_logprobs(model: torch.nn.Module, sampled: Sequence[Sampled], temperature: float,
                      dtype: str) -> list[list[float]]:
     """The learner's log-probs of each completion's sampled tokens (its forward in `dtype`)."""
     out = []
-    with torch.no_grad(), autocast(dtype):
+    with torch.no_grad(), forward_precision(LearnerSettings(compute_dtype=dtype), torch.device("cpu")):
         for s in sampled:
             ids = torch.tensor([s.prompt + s.ids])  # (1, T)
             logits = next_token_logits(model, ids, torch.ones_like(ids), temperature)  # (1, T-1, V)

@@ -36,9 +36,9 @@ def engine(
                                     "An engine restarted on a later version's directory keeps its run's id."),
     stale_step: int = typer.Option(EngineSettings().stale_step, "--stale-step", help="Stale pool refresh period."),
     max_model_len: int = typer.Option(EngineSettings().max_model_len, "--max-model-len", help="Longest sequence."),
-    dtype: str = typer.Option(EngineSettings().dtype, "--dtype", help="What vLLM serves in: auto (bfloat16 on a CPU "
-                              "with AMX-BF16 or AVX512-BF16, float32 on other CPUs, vLLM's choice on a GPU), "
-                              "float32 or bfloat16."),
+    dtype: str | None = typer.Option(None, "--dtype", help="What vLLM serves in: float32, bfloat16 or auto (bfloat16 "
+                                     "on a CPU with AMX-BF16 or AVX512-BF16). Default: float32 on a CPU, vLLM's "
+                                     "choice on a GPU."),
     heartbeat_s: float = typer.Option(EngineSettings().heartbeat_interval_s, "--heartbeat-s", help="Heartbeat period."),
     stall_after_s: float = typer.Option(EngineSettings().stall_after_s, "--stall-after-s",
                                         help="Busy with one update or join longer than this: reported unhealthy."),

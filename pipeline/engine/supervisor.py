@@ -66,9 +66,9 @@ class EngineSettings(BaseModel):
     """The stale pool loads every stale_step-th version: AgentRL stale_step 25."""
     max_model_len: int = 8192
     """Longest sequence served: the paper's max_total_len 8192."""
-    dtype: Precision = "auto"
-    """vLLM's --dtype (not in the paper): auto serves bfloat16 on a CPU with AMX-BF16 or AVX512-BF16, float32 on
-    other CPUs, and vLLM's own choice on a GPU (schemas/precision.py)."""
+    dtype: Precision | None = None
+    """vLLM's --dtype (not in the paper): None is float32 on a CPU and vLLM's own choice on a GPU; auto serves bfloat16
+    on a CPU with AMX-BF16 or AVX512-BF16 (schemas/precision.py)."""
     heartbeat_interval_s: float = 2.0
     """Seconds between heartbeats (not in the paper): an unanswering engine is flagged within this plus the probe timeout."""
     probe_timeout_s: float = 2.0

@@ -91,12 +91,13 @@ class SftSettings(BaseModel):
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     """Final learning rate as a share of the peak."""
     grad_clip: float = Field(1.0, gt=0.0)
+    """Gradient-norm clip."""
     compute_dtype: Precision = "float32"
     """What the forward and backward passes compute in (schemas/precision.py; bfloat16 is torch autocast, the weights
-    and AdamW's state stay float32). float32 by default, unlike the learner: the recipe above was measured in
-    float32, and whether a model this size learns to copy operands depends on the arithmetic's order (seed 2,
-    docs/RESULTS.md); bfloat16 was not measured for it."""
-    """Gradient-norm clip."""
+    and AdamW's state stay float32). float32 by default: at the default policy's size bfloat16 was no faster (30
+    calc steps 10.45 s against 10.14 s, docs/BENCHMARKS.md "bench precision"), and the recipe above was measured in
+    float32, where whether a model this size learns to copy operands depends on the arithmetic's order (seed 2,
+    docs/RESULTS.md)."""
     max_tokens_per_micro_batch: int = Field(65536, ge=1)
     """Token budget of one micro-batch (rows x longest row), as the learner packs its batches; 12 kg rows
     (about 1.6 GB of attention activations: the shared prefix costs once, its attention once per row)."""

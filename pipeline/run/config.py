@@ -71,9 +71,10 @@ class EngineFleetSettings(BaseModel):
     """Engines of the stale pool (AgentRL: 25%); 0 turns cross-policy sampling off."""
     max_model_len: int = Field(8192, ge=16)
     """Longest sequence an engine serves (AgentRL max_total_len 8192)."""
-    dtype: Precision = "auto"
-    """What the engines serve in (not in the paper): auto is bfloat16 on a CPU with AMX-BF16 or AVX512-BF16,
-    float32 on other CPUs, vLLM's own choice on a GPU (schemas/precision.py)."""
+    dtype: Precision | None = None
+    """What the engines serve in (not in the paper): None is float32 on a CPU and vLLM's own choice on a GPU;
+    bfloat16, or auto (bfloat16 on a CPU with AMX-BF16 or AVX512-BF16), serves faster on such a CPU but a
+    re-rollout no longer repeats its log-probs within replay verify's tolerance (schemas/precision.py)."""
     start_timeout_s: float = Field(600.0, gt=0)
     """How long an engine may take to serve (30-80 s on 2 CPU cores)."""
     bind_host: str = "127.0.0.1"

@@ -28,6 +28,11 @@ def test_auto_is_bfloat16_only_on_a_cpu_that_computes_it_natively():
     assert cpu_dtype("bfloat16", SKYLAKE) == "bfloat16"  # asked for by name: emulated, but given
 
 
+def test_an_engine_serves_float32_on_a_cpu_and_vllms_choice_on_a_gpu_unless_told_otherwise():
+    assert engine_dtype(None, on_gpu=False, flags=SAPPHIRE_RAPIDS) == "float32"
+    assert engine_dtype(None, on_gpu=True, flags=SKYLAKE) == "auto"
+
+
 def test_a_gpu_engine_leaves_auto_to_vllm_and_a_gpu_learner_keeps_float32():
     assert engine_dtype("auto", on_gpu=True, flags=SKYLAKE) == "auto"
     assert engine_dtype("bfloat16", on_gpu=True, flags=SKYLAKE) == "bfloat16"

@@ -124,9 +124,11 @@ def test_validation_sample_counts_are_one_number_or_per_family():
         parse_limit("calc:32")
 
 
-def test_engines_get_the_stale_step_sequence_limit_and_dtype(cfg):
+def test_engines_get_the_stale_step_sequence_limit_and_a_dtype_only_when_one_is_set(cfg):
     assert engine_args(cfg) == ("--stale-step", str(cfg.streams.stale_step),
-                                "--max-model-len", str(cfg.engines.max_model_len), "--dtype", cfg.engines.dtype)
+                                "--max-model-len", str(cfg.engines.max_model_len))
+    chosen = cfg.model_copy(update={"engines": cfg.engines.model_copy(update={"dtype": "bfloat16"})})
+    assert engine_args(chosen)[-2:] == ("--dtype", "bfloat16")
 
 
 def test_the_run_ends_with_the_validation_round_of_its_last_step(cfg):
