@@ -17,7 +17,7 @@ engine's log-probs as the rollout's, advantages +1 and -1 in turn), under `learn
 float32 and bfloat16 in turn, `--learner-steps` timed steps each after one untimed warm-up step each.
 
 `ratio` = the bfloat16 engine's tokens/s / the float32 engine's; `learner_ratio` the same for the learner's
-trained tokens/s. `auto` says what `engines.dtype` and `learner.compute_dtype` choose on this host
+trained tokens/s. `auto` says what `engines.dtype: auto` and `learner.compute_dtype: auto` choose on this host
 (schemas/precision.py).
 """
 
