@@ -53,14 +53,13 @@ from learner.microbatch import BatchItem
 from learner.settings import LearnerSettings
 from learner.step import forward_precision, make_optimizer, train_step
 from pipeline.bench.precision_logic import agreement, rate, speedup
-from pipeline.bench.rollout import RANDOM_LARGE, random_large_checkpoint
+from pipeline.bench.rollout import MIX, RANDOM_LARGE, random_large_checkpoint
 from pipeline.engine.launch import EngineProcess, launch_engine
 from pipeline.policy.model_init import PolicyModelSettings, init_model
 from pipeline.run.config import REPO_ROOT, load_config
 from schemas.precision import BF16_CPU_FLAGS, cpu_dtype, host_cpu_flags
 
 DTYPES = ("float32", "bfloat16")
-MIX = (("calc", "dev"), ("db", "dev"))
 
 
 @dataclass(frozen=True)

@@ -9,17 +9,13 @@ import pytest
 from typer.testing import CliRunner
 
 from pipeline.cli import app
-from pipeline.policy.model_init import PolicyModelSettings, init_model
+from tests.helpers.policy import tiny_policy
 
 pytestmark = pytest.mark.integration
 
-TINY = PolicyModelSettings(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=256,
-                           vocab_size=256)
-
 
 def test_bench_precision_measures_both_dtypes_and_how_far_the_learner_is_from_each_engine(infra, tmp_path):
-    model_dir = tmp_path / "policy"
-    init_model(TINY, model_dir)
+    model_dir = tiny_policy(tmp_path / "policy")
     result = CliRunner().invoke(app, ["bench", "precision", "--model", str(model_dir), "--requests", "2",
                                      "--concurrency", "2", "--max-new-tokens", "8", "--learner-steps", "1", "--json"])
     assert result.exit_code == 0, f"{result.output[-3000:]}\n{result.exception!s}"
