@@ -164,17 +164,20 @@ def run_one(cfg: RollstreamConfig, run: str, study_dir: Path) -> tuple[dict[str,
     return record, interrupted
 
 
-def run_study(cfg: RollstreamConfig, study: str, seeds: int, variants: Sequence[str], *,
+def run_study(cfg: RollstreamConfig, study: str, seeds: int, variants: Sequence[str], *, first_seed: int = 0,
               config_path: Path | None = None, say: Callable[[str], None] = lambda line: None,
               run: Callable[[RollstreamConfig, str, Path], tuple[dict[str, Any], bool]] = run_one) -> dict[str, Any]:
-    """Runs every (seed, variant) of the study, seed by seed, and writes runs/<study>/study.json and
+    """Runs every (seed, variant) of the study, seeds first_seed..first_seed+seeds-1, seed by seed, and writes runs/<study>/study.json and
     study.png; returns study.json's content. Raises ConfigError for a variant that does not validate or
     an environment variable that would override the study, StudyExists for a study already run.
     `run` runs one (a test may pass its own)."""
     conflicts = env_conflicts(variants, os.environ)
     if conflicts:
         raise ConfigError(f"unset {', '.join(conflicts)}: the study sets these itself")
-    plan = [(seed, variant, variant_config(cfg, variant, seed)) for seed in range(seeds) for variant in variants]
+    if first_seed < 0:
+        raise ConfigError(f"first seed {first_seed}: a seed is 0 or more")
+    seed_range = range(first_seed, first_seed + seeds)
+    plan = [(seed, variant, variant_config(cfg, variant, seed)) for seed in seed_range for variant in variants]
     study_dir = cfg.run_dir(study)
     if (study_dir / "study.json").exists():
         raise StudyExists(f"study {study} exists ({study_dir / 'study.json'}); choose another --study")
@@ -182,7 +185,7 @@ def run_study(cfg: RollstreamConfig, study: str, seeds: int, variants: Sequence[
     records: list[dict[str, Any]] = []
     overrides = {v: VARIANTS[v] for v in variants}
     interrupted = False
-    _write(study_dir, study_document(study, _name(config_path), range(seeds), overrides, records))  # claims the ids
+    _write(study_dir, study_document(study, _name(config_path), seed_range, overrides, records))  # claims the ids
     for i, (seed, variant, run_cfg) in enumerate(plan, 1):
         rid = run_id(study, variant, seed)
         say(f"study {study}: run {i}/{len(plan)} {rid} (variant {variant}, seed {seed})")
@@ -190,12 +193,12 @@ def run_study(cfg: RollstreamConfig, study: str, seeds: int, variants: Sequence[
         records.append({"variant": variant, "seed": seed, **record})
         say(f"study {study}: {rid} " + (f"failed: {record['error']}" if record.get("error")
                                          else f"{record.get('outcome')} in {record['duration_s']:.0f} s"))
-        _write(study_dir, study_document(study, _name(config_path), range(seeds), overrides, records,
+        _write(study_dir, study_document(study, _name(config_path), seed_range, overrides, records,
                                          interrupted=interrupted))
         if interrupted:
             say(f"study {study}: interrupted after {i} of {len(plan)} runs")
             break
-    document = study_document(study, _name(config_path), range(seeds), overrides, records, interrupted=interrupted)
+    document = study_document(study, _name(config_path), seed_range, overrides, records, interrupted=interrupted)
     if plot_study(document["results"], study_dir / "study.png"):
         document["figure"] = "study.png"
     _write(study_dir, document)

@@ -169,6 +169,15 @@ def test_a_study_runs_every_seed_under_every_variant_and_goes_on_after_a_failed_
         run_study(cfg, "st", 1, ["base"], run=run)
 
 
+def test_a_study_can_start_at_a_later_seed_to_continue_another_on_the_same_policy(tmp_path):
+    run, calls = _fake_run({})
+    document = run_study(RollstreamConfig(runs_dir=tmp_path), "st", 2, ["base"], first_seed=3, run=run)
+    assert calls == [("st-base-s3", 3, True), ("st-base-s4", 4, True)]
+    assert document["seeds"] == [3, 4] and document["results"]["base"]["calc"]["seeds"] == 2
+    with pytest.raises(ConfigError, match="first seed -1"):
+        run_study(RollstreamConfig(runs_dir=tmp_path), "st2", 1, ["base"], first_seed=-1, run=run)
+
+
 def test_an_interrupted_run_ends_the_study_with_what_it_measured(tmp_path):
     run, calls = _fake_run({"st-base-s0": "interrupt"})
     document = run_study(RollstreamConfig(runs_dir=tmp_path), "st", 3, ["base"], run=run)
