@@ -20,8 +20,8 @@ from pipeline.run.up import timestamped
 def study(
     config: ConfigOption = None,
     seeds: int = typer.Option(..., "--seeds", min=1, help="How many seeds, each run under every variant."),
-    first_seed: int = typer.Option(0, "--first-seed", min=0, help="The first seed: seeds FIRST..FIRST+N-1 "
-                                                                  "(another study's seeds continued on the same policy)."),
+    first_seed: int = typer.Option(0, "--first-seed", min=0,
+                                   help="The first seed: seeds FIRST..FIRST+N-1 (continues another study's seeds)."),
     variants: str = typer.Option("base", "--variants", help=f"Comma-separated variants: {', '.join(VARIANTS)}."),
     name: str = typer.Option("", "--study", help="Study name: runs/<study>/ and run ids <study>-<variant>-s<seed> "
                                                  "(default: study-<date>-<time>)."),
@@ -38,7 +38,8 @@ def study(
     study_name = name or time.strftime("study-%Y%m%d-%H%M%S")
     console = Console(stderr=True)
     try:
-        document = run_study(cfg, study_name, seeds, chosen, first_seed=first_seed, config_path=config, say=timestamped(console))
+        document = run_study(cfg, study_name, seeds, chosen, first_seed=first_seed, config_path=config,
+                             say=timestamped(console))
     except StudyExists as error:
         fail(str(error))
     if as_json:

@@ -167,9 +167,10 @@ def run_one(cfg: RollstreamConfig, run: str, study_dir: Path) -> tuple[dict[str,
 def run_study(cfg: RollstreamConfig, study: str, seeds: int, variants: Sequence[str], *, first_seed: int = 0,
               config_path: Path | None = None, say: Callable[[str], None] = lambda line: None,
               run: Callable[[RollstreamConfig, str, Path], tuple[dict[str, Any], bool]] = run_one) -> dict[str, Any]:
-    """Runs every (seed, variant) of the study, seeds first_seed..first_seed+seeds-1, seed by seed, and writes runs/<study>/study.json and
-    study.png; returns study.json's content. Raises ConfigError for a variant that does not validate or
-    an environment variable that would override the study, StudyExists for a study already run.
+    """Runs every (seed, variant) of the study, seed by seed (seeds first_seed..first_seed+seeds-1), and
+    writes runs/<study>/study.json and study.png; returns study.json's content. Raises ConfigError for a
+    variant that does not validate, a negative first seed or an environment variable that would override
+    the study, StudyExists for a study already run.
     `run` runs one (a test may pass its own)."""
     conflicts = env_conflicts(variants, os.environ)
     if conflicts:
