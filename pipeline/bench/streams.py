@@ -210,10 +210,10 @@ def print_table(result: dict[str, Any]) -> None:
 
 
 def bench_streams(
-    groups: int = typer.Option(100, help="Groups of 8 x 8k-token trajectories for the capacity run."),
-    window: int = typer.Option(64, help="Groups fed and not yet batched at most (the dispatcher's bound; "
+    groups: int = typer.Option(100, min=1, help="Groups of 8 x 8k-token trajectories for the capacity run."),
+    window: int = typer.Option(64, min=1, help="Groups fed and not yet batched at most (the dispatcher's bound; "
                                "its default is 2 x batch_size, 512 groups at the paper's batch size)."),
-    latency_seconds: float = typer.Option(10.0, help="Duration of the latency run at the paper's rate."),
+    latency_seconds: float = typer.Option(10.0, min=1.0, help="Duration of the latency run at the paper's rate."),
     workers: int = typer.Option(1, min=1, help="Streams workers sharing the work (one consumer group)."),
     config: Path | None = typer.Option(None, help="YAML run configuration (broker)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object on stdout."),
