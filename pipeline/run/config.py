@@ -190,8 +190,14 @@ class RollstreamConfig(BaseSettings):
         return self.model_dump(exclude=exclude)
 
     def replaced(self, **changes: Any) -> RollstreamConfig:
-        """A copy with top-level `changes`, validated again (model_copy would skip the cross-checks)."""
-        return RollstreamConfig(**{**self.as_data(), **changes})
+        """A copy with top-level `changes` (a section as a model or as data), validated again (model_copy would
+        skip the cross-checks). A section goes in as data, its fields that were never set left out: the
+        environment wins over it field by field, where a model would be replaced whole by that section's
+        variables, every other field back at its default."""
+        data = self.as_data()
+        for name, value in changes.items():
+            data[name] = value.model_dump(exclude_unset=True) if isinstance(value, BaseModel) else value
+        return RollstreamConfig(**data)
 
     def learner_settings(self) -> LearnerSettings:
         """The learner's settings as the run gives them: its stale_step (retention, stale broadcasts)

@@ -21,6 +21,20 @@ def test_environment_overrides_the_yaml_file_which_overrides_defaults(tmp_path, 
     assert cfg.object_store.endpoint == "file:2"
 
 
+def test_a_copy_with_a_section_replaced_keeps_that_sections_file_values_under_an_environment_override(tmp_path,
+                                                                                                       monkeypatch):
+    # `replaced` validates again, and the environment wins field by field; a section handed in as a model was
+    # once replaced whole by its variables, every other field of it back at the default (bench peer's run
+    # lost the file's mix.val_interval under ROLLSTREAM_MIX__MAX_IN_FLIGHT_GROUPS and was refused)
+    cfg_file = tmp_path / "run.yaml"
+    cfg_file.write_text("max_steps: 12\nmix:\n  val_interval: 12\n  weights: {calc: 8}\n")
+    monkeypatch.setenv("ROLLSTREAM_MIX__MAX_IN_FLIGHT_GROUPS", "18")
+    cfg = load_config(cfg_file)
+    copy = cfg.replaced(mix=cfg.mix.model_copy(update={"weights": {}}), max_steps=24)
+    assert (copy.mix.val_interval, copy.mix.max_in_flight_groups, copy.mix.weights) == (12, 18, {})
+    assert copy.max_steps == 24
+
+
 def test_infrastructure_variables_reach_the_clients(monkeypatch):
     monkeypatch.setenv("KAFKA_PORT", "19092")
     monkeypatch.setenv("MINIO_ROOT_USER", "alice")
