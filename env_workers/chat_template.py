@@ -22,6 +22,7 @@ control token out byte by byte does not, and ends as invalid output; agent_loop.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
@@ -73,6 +74,30 @@ def bounded(message: Mapping[str, Any], max_chars: int) -> Mapping[str, Any]:
     return {**message, "content": content}
 
 
+PIECE_CACHE_SIZE = 4096
+"""Pieces of rendered conversations (ChatEncoder.encode_text) whose ids one encoder keeps: the system prompts
+with their tool schemas and every message of the trajectories in flight, which each turn renders again."""
+
+
+def piece_pattern(tokenizer: Any) -> re.Pattern[str] | None:
+    """Where a rendered conversation may be cut into pieces that encode independently: before every added
+    token (the tokenizer splits its input on added tokens before anything else, so the text between two
+    of them is encoded on its own either way). None, and the text is encoded whole, when an added token
+    strips the whitespace beside it or must stand as a whole word: a cut would then change what it takes."""
+    added = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
+    if not added or any(getattr(t, "lstrip", True) or getattr(t, "rstrip", True) or getattr(t, "single_word", True)
+                        for t in added):
+        return None
+    contents = sorted({t.content for t in added}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, contents)))
+
+
+def pieces(text: str, pattern: re.Pattern[str]) -> list[str]:
+    """`text` cut before every match of `pattern` (its pieces, in order, joined back give `text`)."""
+    cuts = [0, *(m.start() for m in pattern.finditer(text) if m.start() > 0), len(text)]
+    return [text[a:b] for a, b in zip(cuts, cuts[1:]) if b > a]
+
+
 class TemplatePrefixError(ValueError):
     """The chat template rendered an earlier part of the conversation differently once more was appended."""
 
@@ -101,6 +126,10 @@ class ChatEncoder:
         self.eos_token_id: int = tokenizer.eos_token_id
         self.fingerprint = template_fingerprint(tokenizer)
         self.markers = marker_pattern(list(tokenizer.get_added_vocab()))
+        # Every turn renders the whole conversation again; encoding it piece by piece with the pieces' ids
+        # kept costs only the new pieces (the history's re-encoding was most of the loop's CPU per turn).
+        self._pieces = piece_pattern(tokenizer)
+        self._encode_piece = functools.lru_cache(maxsize=PIECE_CACHE_SIZE)(self._encode_whole)
         # What the template writes after an assistant turn's content ("<|im_end|>\n" for Qwen):
         # the loop keeps room for it so closing a turn never overruns max_total_len.
         probe = [{"role": "user", "content": "x"}]
@@ -129,7 +158,15 @@ class ChatEncoder:
         return {**message, "content": plain_text(content, self.markers)}
 
     def encode_text(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
+        if self._pieces is None:
+            return list(self._encode_whole(text))
+        ids: list[int] = []
+        for piece in pieces(text, self._pieces):
+            ids += self._encode_piece(piece)
+        return ids
+
+    def _encode_whole(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, control tokens kept (tool-call tags are added tokens)."""

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from env_workers.chat_template import ChatEncoder, TemplatePrefixError
+import pytest
+from tokenizers import AddedToken
+
+from env_workers.chat_template import ChatEncoder, TemplatePrefixError, piece_pattern, pieces
 from schemas.template import template_fingerprint
 from pipeline.policy.model_init import CHAT_TEMPLATE, build_tokenizer
 
@@ -105,3 +108,77 @@ def test_decode_keeps_control_tokens_so_tool_calls_can_be_parsed(encoder):
     ids = encoder.encode_text('<tool_call>\n{"name": "x"}\n</tool_call>')
     assert len(ids) == len('\n{"name": "x"}\n') + 2
     assert encoder.decode(ids) == '<tool_call>\n{"name": "x"}\n</tool_call>'
+
+
+# --- encoding a rendered conversation piece by piece ------------------------------------------------------
+
+PIECEWISE_TEXTS = [
+    "<|im_start|>system\nhi<|im_end|>\n<|im_start|>user\n",
+    "no added token at all, just text  with  spaces\n\n",
+    "<tool_call><tool_call></tool_call>",  # added tokens back to back
+    "  leading spaces<|im_end|>   trailing spaces  ",
+    "e\u0301<tool_call>cafe\u0301\n</tool_call>\u00e9",  # NFC-composable marks beside added tokens
+    "<|im_start|<|im_start|>|im_end|>",  # a near miss just before a real token
+    "数字 123 <tool_response>\n{\"a\": [1, 2]}\n</tool_response><|endoftext|>",
+]
+
+
+@pytest.mark.parametrize("text", PIECEWISE_TEXTS)
+def test_encoding_piece_by_piece_gives_the_ids_of_encoding_the_whole_text(encoder, text):
+    whole = list(encoder.tokenizer.encode(text, add_special_tokens=False))
+    assert encoder.encode_text(text) == whole
+    assert encoder.encode_text(text) == whole  # and again, from the kept pieces
+
+
+def test_a_whole_conversation_encodes_piece_by_piece_as_it_does_whole(encoder):
+    for end in range(1, len(CONVERSATION) + 1):
+        text = encoder.tokenizer.apply_chat_template(CONVERSATION[:end], tools=TOOLS, tokenize=False)
+        assert encoder.encode_text(text) == list(encoder.tokenizer.encode(text, add_special_tokens=False))
+
+
+def test_pieces_join_back_and_each_after_the_first_starts_at_an_added_token():
+    pattern = piece_pattern(build_tokenizer())
+    text = "head<|im_start|>a<tool_call>b</tool_call><|im_end|>"
+    cut = pieces(text, pattern)
+    assert "".join(cut) == text
+    assert cut == ["head", "<|im_start|>a", "<tool_call>b", "</tool_call>", "<|im_end|>"]
+    assert pieces("<|im_end|>x", pattern) == ["<|im_end|>x"]
+
+
+class _CountingTokenizer:
+    """build_tokenizer's, counting the texts it encodes."""
+
+    def __init__(self, inner) -> None:
+        self._inner, self.encoded = inner, []
+        self.chat_template, self.eos_token_id = inner.chat_template, inner.eos_token_id
+        self.added_tokens_decoder = inner.added_tokens_decoder
+
+    def apply_chat_template(self, conversation, **kwargs):
+        return self._inner.apply_chat_template(conversation, **kwargs)
+
+    def encode(self, text, **kwargs):
+        self.encoded.append(text)
+        return self._inner.encode(text, **kwargs)
+
+    def decode(self, ids, **kwargs):
+        return self._inner.decode(ids, **kwargs)
+
+    def get_added_vocab(self):
+        return self._inner.get_added_vocab()
+
+
+def test_re_encoding_a_conversation_with_one_more_message_encodes_only_the_new_pieces():
+    tokenizer = _CountingTokenizer(build_tokenizer())
+    encoder = ChatEncoder(tokenizer)
+    encoder.encode(CONVERSATION[:2], TOOLS, True)
+    tokenizer.encoded.clear()
+    encoder.encode(CONVERSATION[:3], TOOLS, False)
+    # Only the assistant's turn is new: the system prompt with its tool schemas is not encoded again.
+    assert tokenizer.encoded and all("# Tools" not in text and "How many rows?" not in text
+                                     for text in tokenizer.encoded)
+
+
+def test_an_added_token_that_strips_whitespace_leaves_the_text_to_be_encoded_whole():
+    stripping = SimpleNamespace(added_tokens_decoder={259: AddedToken("<tool_call>", lstrip=True)})
+    assert piece_pattern(stripping) is None
+    assert piece_pattern(SimpleNamespace(added_tokens_decoder={})) is None
