@@ -1,10 +1,12 @@
 """`rollstream bench rollout`: what the agent loop and its Kafka publishing cost beside the engine
 alone, and what a weight update of a running engine costs beside copying and reading the same bytes.
 
-One real engine (`rollstream engine`, following `weights` for the bench's own run id) serves the policy.
+One real engine (`rollstream engine`, following `weights` for the bench's own run id, at the configuration's
+`engines.nice` as a run starts it: `--config configs/cpu.yaml` for a CPU machine's 10) serves the policy.
 
 Phase 1 (env worker + engine): `--trajectories` tasks of a fixed mix (calc and db dev samples,
-alternating) go onto `tasks` under the bench run id, and one real env worker (env_workers/worker.py's
+alternating; default four per agent loop, a backlog as a run's dispatcher keeps) go onto `tasks` under the
+bench run id, and one real env worker (env_workers/worker.py's
 EnvWorker, in this process, with the engine as a static `current` engine and `--concurrency` loops at
 once) consumes them, rolls them out and publishes every finished turn to `steps` and every trajectory
 to `trajectories` through its own producer, exactly as `rollstream env-worker` does. The tasks are
@@ -21,9 +23,24 @@ concurrency and per-turn seed, with no environment and no Kafka in between. The 
 own with the first token replaced, so the prefix cache phase 1 warmed does not serve them, while they
 share prefixes among themselves as the loop's prompts do.
 
-`ratio` = loop tokens/s / engine-alone tokens/s (1.0: the loop, the environments and Kafka cost nothing).
+Phase 3 (engine alone, chained): phase 1's trajectories replayed with its dependency: a trajectory's
+turn is asked for when its previous turn has returned, `--concurrency` trajectories at a time in phase 1's
+order, the next starting as one ends. Each trajectory starts from its first prompt (another first token,
+so neither earlier phase's cache serves it); each next prompt is the previous one, the tokens the engine
+just generated for it and the environment's tokens phase 1 appended there, so the engine's prefix cache
+holds all but those environment tokens, as it did for the loop; lengths and seeds are phase 1's. It is
+what the engine gives this workload's shape with no loop, environment or Kafka between the turns.
 
-Weight updates (after both phases, on the engine that served them): a random new version of the
+`ratio` = loop tokens/s / engine-alone tokens/s (1.0: the loop, the environments, Kafka and the
+workload's turn-after-turn shape cost nothing); `ratio_chained` = loop / chained tokens/s, the loop's,
+environments' and Kafka's cost alone. Each phase also reports where the CPU went (pipeline/bench/cpu.py):
+CPU seconds of this process (the env worker, its environments, its Kafka clients), of the engine's
+process tree and of a local broker, how long the loop's thread waited for a core, and per generated
+token; and from vLLM's own counters its scheduler steps, milliseconds per step and how many requests it
+held on average. On cores the engine shares, every CPU second of the loop or the broker is taken from
+the engine's steps; `loop_cpu_share` is the loop's CPU per token over the engine's alone.
+
+Weight updates (after the three phases, on the engine that served them): a random new version of the
 served model's shape (every tensor, a tied one once, as the learner publishes it) reaches the engine
 - by broadcast: the learner's own PoolBroadcaster (join the weight-sync group over Gloo, bucketed
   broadcast, the engine loads the tensors); sent twice, the first forming the group (reported apart),
@@ -74,12 +91,19 @@ from learner.manifest import write_version
 from learner.publish import prune_versions, stage_version, weight_version_event
 from learner.settings import LearnerSettings
 from pipeline.bench.baselines import copy_baseline
+from pipeline.bench.cpu import CpuMeter
 from pipeline.bench.learner import LARGE_SHAPE, random_tensors
 from pipeline.bench.rollout_logic import (
+    Chain,
     TurnRequest,
     caught_up,
+    chains,
+    cpu_phase,
+    engine_phase,
     loop_seconds,
+    metric_totals,
     status_counts,
+    time_per_turn,
     throughput_row,
     transfer,
     turn_requests,
@@ -106,6 +130,11 @@ LARGE_POLICY = PolicyModelSettings(hidden_size=LARGE_SHAPE["hidden_size"], num_l
                                    num_kv_heads=LARGE_SHAPE["num_key_value_heads"],
                                    intermediate_size=LARGE_SHAPE["intermediate_size"], vocab_size=256)
 CATCH_UP_TIMEOUT_S = 120.0
+BACKLOG = 4
+"""Default tasks per agent loop of phase 1. A run's env worker always has tasks waiting (the dispatcher keeps
+`mix.max_in_flight_groups` groups out), so a loop that ends takes the next task; with as many tasks as loops
+the engine's batch would empty as the short trajectories end and the long ones run on alone, which is the
+workload's tail, not the loop's cost (the fleet's own bench: bench pipeline)."""
 
 app = typer.Typer(help="Agent-loop throughput beside the engine alone; weight-update times.")
 
@@ -119,13 +148,42 @@ class LoopPhase:
     stats: WorkerStats
     seconds: float
     flush_s: float
+    usage: PhaseUsage
+
+
+@dataclass
+class PhaseUsage:
+    """CPU and engine counters sampled at a phase's start and end (CpuMeter.sample, vLLM's /metrics)."""
+
+    cpu_before: dict[str, float | None]
+    cpu_after: dict[str, float | None]
+    engine_before: dict[str, float]
+    engine_after: dict[str, float]
+    seconds: float
 
 
 @contextlib.contextmanager
-def engine_for(model_dir: Path, run: str, work_dir: Path, max_model_len: int) -> Iterator[EngineProcess]:
-    """One real `rollstream engine` following `weights` of `run`, for the duration of the block."""
+def usage_of(meter: CpuMeter, url: str) -> Iterator[list[PhaseUsage]]:
+    """Samples CPU and the engine's counters around the block; the list holds the PhaseUsage after it."""
+    out: list[PhaseUsage] = []
+    engine_before, cpu_before, started = engine_counters(url), meter.sample(), time.perf_counter()
+    yield out
+    seconds, cpu_after = time.perf_counter() - started, meter.sample()
+    out.append(PhaseUsage(cpu_before, cpu_after, engine_before, engine_counters(url), seconds))
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's Prometheus counters summed over labels ({} when it exports none)."""
+    response = httpx.get(f"{url}/metrics", timeout=30)
+    return metric_totals(response.text) if response.status_code == 200 else {}
+
+
+@contextlib.contextmanager
+def engine_for(model_dir: Path, run: str, work_dir: Path, max_model_len: int, nice: int = 0) -> Iterator[EngineProcess]:
+    """One real `rollstream engine` following `weights` of `run`, for the duration of the block, at
+    niceness `nice` (the configuration's `engines.nice`, as a run starts its engines)."""
     engine = launch_engine(pool="current", model_dir=model_dir, run=run, work_dir=work_dir,
-                           extra_args=("--max-model-len", str(max_model_len)), cwd=REPO_ROOT)
+                           extra_args=("--max-model-len", str(max_model_len)), cwd=REPO_ROOT, nice=nice)
     try:
         engine.wait_until_serving(600.0)
         yield engine
@@ -157,8 +215,10 @@ async def _until_caught_up(worker: EnvWorker, kafka: Any, say: Callable[[str], N
 
 
 async def loop_phase(cfg: RollstreamConfig, settings: EnvWorkerSettings, model_name: str, encoder: ChatEncoder,
-                     tasks: Sequence[dict[str, Any]], run: str, say: Callable[[str], None]) -> LoopPhase:
-    """Phase 1: one real env worker rolls `tasks` out from `tasks` and publishes steps and trajectories."""
+                     tasks: Sequence[dict[str, Any]], run: str, meter: CpuMeter, say: Callable[[str], None]
+                     ) -> LoopPhase:
+    """Phase 1: one real env worker rolls `tasks` out from `tasks` and publishes steps and trajectories;
+    `meter` samples CPU from the tasks' production until every event is acknowledged."""
     engines = EnginePool(run=run, stop_token_ids=[encoder.eos_token_id], clock_ms=now_ms,
                          heartbeat_timeout_s=settings.heartbeat_timeout_s,
                          failure_backoff_s=settings.engine_failure_backoff_s,
@@ -167,29 +227,32 @@ async def loop_phase(cfg: RollstreamConfig, settings: EnvWorkerSettings, model_n
     worker = EnvWorker(settings, cfg.kafka, encoder, engines, run=run, worker_id=f"bench-rollout-{run}",
                        clock=time.time)
     reader = TopicReader(cfg.kafka, [topics.STEPS, topics.TRAJECTORIES], run=run)
+    reader.pause()  # read back after the timed window, so that its fetches are not counted in it
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))
     try:
         await _until_caught_up(worker, cfg.kafka, say)
-        with EventProducer(cfg.kafka, client_id=f"bench-rollout-feed-{run}") as feed:
-            for task in tasks:
-                feed.send(topics.TASKS, task, key=task["request"]["group_id"])
-        say(f"phase 1: {len(tasks)} tasks on `tasks`, rolled out by the env worker, "
-            f"{settings.max_concurrency} at a time")
-        while worker.stats.trajectories < len(tasks):
-            if running.done():
-                break  # it failed: awaited below, which raises
-            await asyncio.sleep(0.01)
-        sent = time.time()
-        # The worker's own producer, from this event-loop thread as the worker calls it: every step and
-        # trajectory acknowledged by the broker closes the timed window.
-        worker.producer.flush()
-        acknowledged = time.time()
+        with usage_of(meter, settings.engine_urls["current"][0]) as usage:
+            with EventProducer(cfg.kafka, client_id=f"bench-rollout-feed-{run}") as feed:
+                for task in tasks:
+                    feed.send(topics.TASKS, task, key=task["request"]["group_id"])
+            say(f"phase 1: {len(tasks)} tasks on `tasks`, rolled out by the env worker, "
+                f"{settings.max_concurrency} at a time")
+            while worker.stats.trajectories < len(tasks):
+                if running.done():
+                    break  # it failed: awaited below, which raises
+                await asyncio.sleep(0.01)
+            sent = time.time()
+            # The worker's own producer, from this event-loop thread as the worker calls it: every step and
+            # trajectory acknowledged by the broker closes the timed window.
+            worker.producer.flush()
+            acknowledged = time.time()
     finally:
         stop.set()
         stats = await running
         await engines.aclose()
     try:
+        reader.resume()
         reader.wait_for(lambda: len(reader.events[topics.TRAJECTORIES]) >= stats.trajectories
                         and len(reader.events[topics.STEPS]) >= stats.steps, 60.0,
                         "the bench run's steps and trajectories to be read back")
@@ -197,26 +260,54 @@ async def loop_phase(cfg: RollstreamConfig, settings: EnvWorkerSettings, model_n
         reader.close()
     trajectories = reader.events[topics.TRAJECTORIES]
     return LoopPhase(trajectories, reader.events[topics.STEPS], stats, loop_seconds(trajectories, acknowledged),
-                     acknowledged - sent)
+                     acknowledged - sent, usage[0])
+
+
+async def _complete(http: httpx.AsyncClient, url: str, model: str, request: TurnRequest, temperature: float
+                    ) -> list[int]:
+    """The ids the engine generated for one engine-alone request (exactly `request.count`: ignore_eos)."""
+    body = completion_request(model, request.prompt, request.count, temperature, []) | {"ignore_eos": True}
+    if request.seed is not None:
+        body["seed"] = request.seed
+    response = await http.post(f"{url}/v1/completions", json=body)
+    response.raise_for_status()
+    return parse_completion(response.json(), "bench")[0]
 
 
 async def engine_alone(url: str, model: str, requests: Sequence[TurnRequest], temperature: float,
                        concurrency: int) -> tuple[int, float]:
-    """Phase 2: (tokens generated, wall seconds) for `requests`, `concurrency` at a time."""
+    """Phase 2: (tokens generated, wall seconds) for `requests`, `concurrency` at a time, independent of
+    each other (the engine's own rate on these requests)."""
     gate = asyncio.Semaphore(concurrency)
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=600.0) as http:
 
         async def one(request: TurnRequest) -> int:
-            body = completion_request(model, request.prompt, request.count, temperature, []) | {"ignore_eos": True}
-            if request.seed is not None:
-                body["seed"] = request.seed
             async with gate:
-                response = await http.post(f"{url}/v1/completions", json=body)
-            response.raise_for_status()
-            return len(parse_completion(response.json(), "bench")[0])
+                return len(await _complete(http, url, model, request, temperature))
 
         started = time.perf_counter()
         counts = await asyncio.gather(*(one(request) for request in requests))
+        return sum(counts), time.perf_counter() - started
+
+
+async def engine_chained(url: str, model: str, trajectories: Sequence[Chain], temperature: float,
+                         concurrency: int) -> tuple[int, float]:
+    """Phase 3: (tokens generated, wall seconds) for `trajectories`, each one's turns in order, `concurrency`
+    trajectories at a time: the loop's dependency and admission without the loop."""
+    gate = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None), timeout=600.0) as http:
+
+        async def one(chain: Chain) -> int:
+            prompt, tokens = list(chain.prompt), 0
+            async with gate:
+                for count, seed, following in zip(chain.counts, chain.seeds, chain.following, strict=True):
+                    generated = await _complete(http, url, model, TurnRequest(prompt, count, seed), temperature)
+                    tokens += len(generated)
+                    prompt = prompt + generated + following
+            return tokens
+
+        started = time.perf_counter()
+        counts = await asyncio.gather(*(one(chain) for chain in trajectories))
         return sum(counts), time.perf_counter() - started
 
 
@@ -346,7 +437,8 @@ def _is_qwen2(model_dir: Path) -> bool:
 
 def bench_rollout(
     model: Path | None = typer.Option(None, "--model", help="Checkpoint to serve (default: a fresh `model init`)."),
-    trajectories: int = typer.Option(16, "--trajectories", help="Tasks in phase 1 (calc and db alternating)."),
+    trajectories: int | None = typer.Option(None, "--trajectories", help="Tasks in phase 1 (calc and db "
+                                            "alternating; default: 4 x --concurrency, a backlog as a run keeps)."),
     concurrency: int = typer.Option(16, "--concurrency", help="Agent loops (and requests) in flight."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens per turn."),
     update_model: str | None = typer.Option(None, "--update-model", help="Also time weight updates of this "
@@ -362,6 +454,7 @@ def bench_rollout(
 
     Example: rollstream bench rollout --model .run/policy-sft --update-model random-0.5b --json
     """
+    trajectories = BACKLOG * concurrency if trajectories is None else trajectories
     if trajectories < 1 or concurrency < 1 or max_new_tokens < 1:
         _fail("--trajectories, --concurrency and --max-new-tokens must be positive")
     for given in (model, None if update_model in (None, RANDOM_LARGE) else Path(update_model)):
@@ -384,15 +477,24 @@ def bench_rollout(
         tasks = bench_tasks(run, trajectories, loop.max_turns)
         for task in tasks:  # resolve every sample before timing (loading a split is not the loop's cost)
             registry.sample(task["request"]["task"], task["request"]["split"], task["request"]["sample_index"], envs)
-        with engine_for(model, run, Path(work) / "engines", loop.max_total_len) as engine:
+        with engine_for(model, run, Path(work) / "engines", loop.max_total_len, cfg.engines.nice) as engine:
             name = served_model(engine.url)
             settings = EnvWorkerSettings(max_concurrency=concurrency, engine_urls={"current": [engine.url]}, model=name,
                                          env=envs, agent_loop=loop)
-            say(f"engine serving {model} (run {run})")
-            phase = asyncio.run(loop_phase(cfg, settings, name, encoder, tasks, run, say))
+            say(f"engine serving {model} (run {run}, niceness {cfg.engines.nice})")
+            meter = CpuMeter(engine.process.pid)
+            phase = asyncio.run(loop_phase(cfg, settings, name, encoder, tasks, run, meter, say))
             requests = turn_requests(phase.trajectories, encoder.eos_token_id, settings.seeded_sampling)
             say(f"phase 2: the engine alone, {len(requests)} requests of the same lengths")
-            alone_tokens, alone_s = asyncio.run(engine_alone(engine.url, name, requests, loop.temperature, concurrency))
+            with usage_of(meter, engine.url) as alone_usage:
+                alone_tokens, alone_s = asyncio.run(engine_alone(engine.url, name, requests, loop.temperature,
+                                                                 concurrency))
+            # Another first token than phase 2's, so neither phase's prefix cache serves the other.
+            replay = chains(phase.trajectories, 0 if encoder.eos_token_id > 1 else 2, settings.seeded_sampling)
+            say(f"phase 3: the engine alone, the same requests chained per trajectory, {concurrency} at a time")
+            with usage_of(meter, engine.url) as chained_usage:
+                chained_tokens, chained_s = asyncio.run(engine_chained(engine.url, name, replay, loop.temperature,
+                                                                       concurrency))
             updates = [update_times(cfg, engine, run, "default", model, say)]
         if update_model is not None:
             large = Path(update_model) if update_model != RANDOM_LARGE else Path(work) / RANDOM_LARGE
@@ -404,13 +506,26 @@ def bench_rollout(
     loop_tokens = sum(turn["length"] for t in phase.trajectories for turn in t["turns"])
     loop_row = throughput_row("env worker + engine", len(phase.trajectories), len(requests), loop_tokens, phase.seconds)
     alone_row = throughput_row("engine alone", len(phase.trajectories), len(requests), alone_tokens, alone_s)
+    chained_row = throughput_row("engine alone, chained", len(replay), sum(len(c.counts) for c in replay),
+                                 chained_tokens, chained_s)
+    usages = {"loop": (phase.usage, loop_tokens), "engine_alone": (alone_usage[0], alone_tokens),
+              "engine_chained": (chained_usage[0], chained_tokens)}
+    cpu = {name: cpu_phase(u.cpu_before, u.cpu_after, u.seconds, tokens, meter.cores)
+           for name, (u, tokens) in usages.items()}
+    engine_use = {name: engine_phase(u.engine_before, u.engine_after, u.seconds) for name, (u, _) in usages.items()}
+    loop_ms, engine_ms = cpu["loop"]["loop_ms_per_token"], cpu["engine_alone"]["engine_ms_per_token"]
     report = {"run": run, "model": str(model), "mix": [f"{f}/{s}" for f, s in MIX], "concurrency": concurrency,
+              "engine_niceness": cfg.engines.nice,
               "max_new_tokens": max_new_tokens, "temperature": loop.temperature,
               "seeded_sampling": settings.seeded_sampling, "loop": loop_row, "engine_alone": alone_row,
-              "ratio": loop_row["tokens_per_s"] / alone_row["tokens_per_s"],
+              "engine_chained": chained_row, "ratio": loop_row["tokens_per_s"] / alone_row["tokens_per_s"],
+              "ratio_chained": loop_row["tokens_per_s"] / chained_row["tokens_per_s"],
               "events": {"steps": len(phase.steps), "trajectories": len(phase.trajectories),
                          "flush_s": phase.flush_s},
-              "statuses": status_counts(phase.trajectories), "weight_updates": updates, "left_out": LEFT_OUT}
+              "statuses": status_counts(phase.trajectories), "time_per_turn": time_per_turn(phase.trajectories),
+              "cpu": cpu, "engine": engine_use,
+              "loop_cpu_share": loop_ms / engine_ms if loop_ms is not None and engine_ms else None,
+              "weight_updates": updates, "left_out": LEFT_OUT}
     if as_json:
         typer.echo(json.dumps(report))
         return
@@ -423,13 +538,39 @@ def _print(report: dict[str, Any]) -> None:
                         f"temperature {report['temperature']})")
     for column in ("phase", "trajectories", "turns", "tokens", "seconds", "tokens/s", "trajectories/s"):
         table.add_column(column)
-    for row in (report["loop"], report["engine_alone"]):
+    for row in (report["loop"], report["engine_alone"], report["engine_chained"]):
         table.add_row(row["name"], str(row["trajectories"]), str(row["turns"]), str(row["tokens"]),
                       f"{row['seconds']:.2f}", f"{row['tokens_per_s']:.0f}", f"{row['trajectories_per_s']:.2f}")
     console.print(table)
     events = report["events"]
-    console.print(f"ratio (loop tokens/s / engine-alone tokens/s): {report['ratio']:.3f}; "
-                  f"statuses {report['statuses']}")
+    console.print(f"ratio (loop tokens/s / engine-alone tokens/s): {report['ratio']:.3f}; against the engine alone "
+                  f"with each trajectory's turns chained: {report['ratio_chained']:.3f}; statuses {report['statuses']}")
+    usage = Table(title=f"where the CPU went (engine niceness {report['engine_niceness']})")
+    usage.add_column("figure")
+    phases = ("loop", "engine_alone", "engine_chained")
+    for name in phases:
+        usage.add_column(report[name]["name"])
+
+    def num(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    rows = (("loop process CPU s (env worker, environments, Kafka clients)", "cpu", "loop_cpu_s", ".1f"),
+            ("loop thread runnable, waiting for a core, s", "cpu", "loop_thread_wait_s", ".1f"),
+            ("engine CPU s (its process tree)", "cpu", "engine_cpu_s", ".1f"),
+            ("broker CPU s", "cpu", "broker_cpu_s", ".1f"),
+            ("loop CPU ms per generated token", "cpu", "loop_ms_per_token", ".3f"),
+            ("engine CPU ms per generated token", "cpu", "engine_ms_per_token", ".3f"),
+            ("machine busy", "cpu", "machine_busy_share", ".0%"),
+            ("engine scheduler steps", "engine", "steps", ".0f"),
+            ("engine ms per step", "engine", "ms_per_step", ".1f"),
+            ("requests inside the engine, mean", "engine", "mean_requests_inside", ".1f"))
+    for label, section, key, spec in rows:
+        usage.add_row(label, *(num(report[section][name][key], spec) for name in phases))
+    console.print(usage)
+    turn = report["time_per_turn"]
+    console.print(f"per turn of the loop: {turn['generate_ms']:.0f} ms in the engine call, "
+                  f"{turn['environment_ms']:.1f} ms in the environment, {turn['loop_ms']:.1f} ms in the rest of the loop; the loop's CPU per token "
+                  f"is {num(report['loop_cpu_share'], '.1%')} of the engine's alone")
     console.print(f"published (read back from Kafka, run {report['run']}): {events['steps']} steps, "
                   f"{events['trajectories']} trajectories; producer flush after the last trajectory "
                   f"{events['flush_s'] * 1000:.1f} ms")

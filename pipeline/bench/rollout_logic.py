@@ -8,6 +8,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 from env_workers.engines import turn_seed
 from schemas.arrays import unpack_ids
 
@@ -41,6 +43,40 @@ def turn_requests(trajectories: Sequence[Mapping[str, Any]], replacement: int, s
     return requests
 
 
+@dataclass(frozen=True)
+class Chain:
+    """One trajectory of phase 1 as phase 3 replays it: its first prompt, then per turn the tokens to
+    generate, the seed, and the environment's tokens phase 1 appended after that turn. Each next prompt is
+    the previous prompt, what the engine generated for it and those environment tokens, so the prefix
+    cache holds all of it but the environment's tokens, as it does for the loop."""
+
+    trajectory_id: str
+    prompt: list[int]
+    counts: list[int]
+    seeds: list[int | None]
+    following: list[list[int]]
+
+
+def chains(trajectories: Sequence[Mapping[str, Any]], replacement: int, seeded: bool) -> list[Chain]:
+    """A Chain per trajectory, in the order phase 1 started them, the first prompt's first token replaced
+    as in turn_requests. Seeds are the worker's for the same prompt lengths."""
+    out = []
+    for trajectory in sorted(trajectories, key=lambda t: t["started_at_ms"]):
+        ids = unpack_ids(trajectory["input_ids"]).tolist()
+        turns = trajectory["turns"]
+        if not turns:
+            continue
+        prompt = ids[:turns[0]["start"]]
+        prompt[0] = replacement if prompt[0] != replacement else replacement + 1
+        ends = [turn["start"] + turn["length"] for turn in turns]
+        nexts = [turn["start"] for turn in turns[1:]] + [ends[-1]]
+        tid = trajectory["trajectory_id"]
+        out.append(Chain(tid, prompt, [turn["length"] for turn in turns],
+                         [turn_seed(tid, turn["start"]) if seeded else None for turn in turns],
+                         [ids[end:following] for end, following in zip(ends, nexts, strict=True)]))
+    return out
+
+
 def loop_seconds(trajectories: Iterable[Mapping[str, Any]], acknowledged_at_s: float) -> float:
     """Phase 1's wall time: from the first rollout's start (the worker's own `started_at_ms`, so the
     consumer group's join is not counted) to the moment every event was acknowledged by the broker."""
@@ -70,3 +106,64 @@ def status_counts(trajectories: Iterable[Mapping[str, Any]]) -> dict[str, int]:
     for trajectory in trajectories:
         counts[trajectory["status"]] = counts.get(trajectory["status"], 0) + 1
     return counts
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Each sample of a Prometheus text exposition summed over its labels (histogram buckets left out)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if not sample.name.endswith("_bucket"):
+                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def engine_phase(before: Mapping[str, float], after: Mapping[str, float], seconds: float) -> dict[str, Any]:
+    """What vLLM's own counters say of one phase: its scheduler steps, the requests it held on average
+    (request time inside the engine over the wall time; requests between turns, in HTTP or in the loop
+    are not inside), milliseconds per step, and prompt tokens computed rather than found in the prefix
+    cache. None for a counter this vLLM does not export."""
+
+    def delta(name: str) -> float | None:
+        return after[name] - before.get(name, 0.0) if name in after else None
+
+    steps = delta("vllm:iteration_tokens_total_count")
+    inside = delta("vllm:request_inference_time_seconds_sum")
+    prompt, cached = delta("vllm:prompt_tokens_total"), delta("vllm:prompt_tokens_cached_total")
+    return {"steps": steps, "ms_per_step": 1000 * seconds / steps if steps else None,
+            "mean_requests_inside": inside / seconds if inside is not None and seconds > 0 else None,
+            "prompt_tokens_computed": prompt - cached if prompt is not None and cached is not None else None}
+
+
+def cpu_phase(before: Mapping[str, float | None], after: Mapping[str, float | None], seconds: float,
+              tokens: int, cores: int) -> dict[str, Any]:
+    """CPU seconds of each party over one phase (CpuMeter samples), per generated token in milliseconds,
+    and the share of the machine's cores that was busy. None where a party was not measured."""
+
+    def delta(name: str) -> float | None:
+        a, b = after.get(name), before.get(name)
+        return a - b if a is not None and b is not None else None
+
+    row: dict[str, Any] = {f"{name}_cpu_s": delta(name) for name in ("loop", "engine", "broker")}
+    row["loop_thread_wait_s"] = delta("loop_thread_wait")
+    for name in ("loop", "engine", "broker"):
+        value = row[f"{name}_cpu_s"]
+        row[f"{name}_ms_per_token"] = 1000 * value / tokens if value is not None and tokens else None
+    machine = delta("machine")
+    row["machine_busy_share"] = machine / (seconds * cores) if machine is not None and seconds > 0 else None
+    return row
+
+
+def time_per_turn(trajectories: Iterable[Mapping[str, Any]]) -> dict[str, float]:
+    """Mean milliseconds per turn of phase 1 in the engine call (`generate_ms`: HTTP and the engine's
+    queue included), in the environment (`env_ms`) and in the rest of the loop (the trajectory's wall time
+    less those two: encoding, parsing, publishing, waiting for the event loop)."""
+    turns = generate = env = wall = 0.0
+    for trajectory in trajectories:
+        turns += len(trajectory["turns"])
+        generate += sum(turn["generate_ms"] for turn in trajectory["turns"])
+        env += sum(turn["env_ms"] for turn in trajectory["turns"])
+        wall += trajectory["finished_at_ms"] - trajectory["started_at_ms"]
+    if not turns:
+        return {"generate_ms": 0.0, "environment_ms": 0.0, "loop_ms": 0.0}
+    return {"generate_ms": generate / turns, "environment_ms": env / turns, "loop_ms": (wall - generate - env) / turns}

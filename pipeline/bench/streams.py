@@ -33,6 +33,7 @@ from confluent_kafka import Consumer, TopicPartition
 from rich.console import Console
 from rich.table import Table
 
+from pipeline.bench.cpu import cpu_seconds, local_broker
 from pipeline.run.config import load_config
 from pipeline.run.streams_worker import WorkerProcess
 from pipeline.run.synthetic_load import (
@@ -76,27 +77,6 @@ def wait_caught_up(kafka: KafkaSettings, app_id: str, topic_names: Iterable[str]
         consumer.close()
 
 
-def _cpu_seconds(processes: Iterable[psutil.Process]) -> float:
-    """User + system CPU seconds of the processes themselves (0 for one that is gone): not of their
-    children, since the feeder's children are the workers, counted apart."""
-    total = 0.0
-    for p in processes:
-        try:
-            times = p.cpu_times()
-            total += times.user + times.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
-
-
-def local_broker() -> psutil.Process | None:
-    """The Kafka broker's process when it runs on this machine (infra/up.sh), else None."""
-    for p in psutil.process_iter(["cmdline"]):
-        if "kafka.Kafka" in (p.info["cmdline"] or []):
-            return p
-    return None
-
-
 def measure_capacity(kafka: KafkaSettings, groups: int, window: int,
                      workers: Iterable[psutil.Process] = ()) -> dict[str, Any]:
     """Sustained trajectories/s with at most `window` groups fed and not yet batched, and the CPU
@@ -109,9 +89,9 @@ def measure_capacity(kafka: KafkaSettings, groups: int, window: int,
         parties["broker"] = [broker]
     try:
         prepared = [r.group_events(i) for i in range(groups)]
-        before = {name: _cpu_seconds(ps) for name, ps in parties.items()}
+        before = {name: cpu_seconds(ps) for name, ps in parties.items()}
         elapsed = feed_windowed(r, groups, window, prepared=prepared)
-        cpu = {name: _cpu_seconds(ps) - before[name] for name, ps in parties.items()}
+        cpu = {name: cpu_seconds(ps) - before[name] for name, ps in parties.items()}
     finally:
         r.close()
     n = groups * GROUP_SIZE

@@ -31,8 +31,22 @@ def test_bench_rollout_publishes_every_turn_and_trajectory_and_updates_the_engin
     assert report["events"]["trajectories"] == loop["trajectories"]
     assert report["events"]["steps"] == loop["turns"] > 0
     assert report["events"]["flush_s"] >= 0.0
-    assert alone["tokens"] == loop["tokens"] and alone["turns"] == loop["turns"]
+    chained = report["engine_chained"]
+    assert alone["tokens"] == chained["tokens"] == loop["tokens"]
+    assert alone["turns"] == chained["turns"] == loop["turns"]
     assert report["ratio"] == pytest.approx(loop["tokens_per_s"] / alone["tokens_per_s"])
+    assert report["ratio_chained"] == pytest.approx(loop["tokens_per_s"] / chained["tokens_per_s"])
+    # Where the CPU went in each phase: the engine's tree worked in all three, the loop's process in phase 1.
+    for phase in ("loop", "engine_alone", "engine_chained"):
+        cpu, engine = report["cpu"][phase], report["engine"][phase]
+        assert cpu["engine_cpu_s"] > 0 and cpu["engine_ms_per_token"] > 0 and 0 < cpu["machine_busy_share"] <= 1.05
+        assert cpu["loop_thread_wait_s"] >= 0
+        assert engine["steps"] > 0 and engine["ms_per_step"] > 0 and engine["mean_requests_inside"] > 0
+    assert report["cpu"]["loop"]["loop_cpu_s"] > 0
+    assert report["loop_cpu_share"] == pytest.approx(report["cpu"]["loop"]["loop_ms_per_token"]
+                                                     / report["cpu"]["engine_alone"]["engine_ms_per_token"])
+    turn = report["time_per_turn"]
+    assert turn["generate_ms"] > 0 and turn["environment_ms"] >= 0
     assert "Kafka" not in report["left_out"]
 
     [update] = report["weight_updates"]
