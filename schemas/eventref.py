@@ -22,6 +22,7 @@ event the broker, when it answers, says it does not hold.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -208,6 +209,14 @@ class EventFetcher:
             raise EventMissing(f"{uri(topic, partition, first)} .. offset {last}: partition {partition} of "
                                f"{topic} holds offsets {low} .. {high - 1}")
         self._consumer.assign([TopicPartition(topic, partition, first)])
+        try:
+            return self._read_assigned(topic, partition, first, last, keep)
+        finally:
+            # Idle, an assigned consumer would keep asking the broker for more every fetch.wait.max.ms.
+            with contextlib.suppress(KafkaException):
+                self._consumer.unassign()
+
+    def _read_assigned(self, topic: str, partition: int, first: int, last: int, keep: set[int]) -> dict[str, bytes]:
         out: dict[str, bytes] = {}
         want = {o for o in keep if first <= o <= last}
         deadline = time.monotonic() + self.timeout_s

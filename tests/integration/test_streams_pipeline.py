@@ -126,6 +126,7 @@ def test_groups_and_batches_from_shuffled_duplicated_trajectories_with_a_lost_me
                            for m, t in zip(kept, members)]
         with EventFetcher(infra.kafka) as fetcher:
             referred = fetcher.fetch_many(t["arrays_uri"] for t in members)
+            assert fetcher._consumer.assignment() == []  # idle, it holds no partition, so it asks for nothing
         assert [codec().decode(referred[t["arrays_uri"]], "trajectory") for t in members] == \
             [produced[(gid, m)] for m in kept]
 

@@ -47,6 +47,9 @@ class StaleThenFreshConsumer:
     def consume(self, n: int, timeout: float):
         return [Message(self.first, b"event")]
 
+    def unassign(self) -> None:
+        pass
+
     def close(self) -> None:
         self.closed = True
 
