@@ -103,6 +103,7 @@ from pipeline.bench.rollout_logic import (
     loop_seconds,
     metric_totals,
     status_counts,
+    task_count,
     time_per_turn,
     throughput_row,
     transfer,
@@ -130,11 +131,6 @@ LARGE_POLICY = PolicyModelSettings(hidden_size=LARGE_SHAPE["hidden_size"], num_l
                                    num_kv_heads=LARGE_SHAPE["num_key_value_heads"],
                                    intermediate_size=LARGE_SHAPE["intermediate_size"], vocab_size=256)
 CATCH_UP_TIMEOUT_S = 120.0
-BACKLOG = 4
-"""Default tasks per agent loop of phase 1. A run's env worker always has tasks waiting (the dispatcher keeps
-`mix.max_in_flight_groups` groups out), so a loop that ends takes the next task; with as many tasks as loops
-the engine's batch would empty as the short trajectories end and the long ones run on alone, which is the
-workload's tail, not the loop's cost (the fleet's own bench: bench pipeline)."""
 
 app = typer.Typer(help="Agent-loop throughput beside the engine alone; weight-update times.")
 
@@ -438,7 +434,8 @@ def _is_qwen2(model_dir: Path) -> bool:
 def bench_rollout(
     model: Path | None = typer.Option(None, "--model", help="Checkpoint to serve (default: a fresh `model init`)."),
     trajectories: int | None = typer.Option(None, "--trajectories", help="Tasks in phase 1 (calc and db "
-                                            "alternating; default: 4 x --concurrency, a backlog as a run keeps)."),
+                                            "alternating; default: 4 x --concurrency, a backlog as a run keeps, "
+                                            "at most the mix's distinct tasks)."),
     concurrency: int = typer.Option(16, "--concurrency", help="Agent loops (and requests) in flight."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens per turn."),
     update_model: str | None = typer.Option(None, "--update-model", help="Also time weight updates of this "
@@ -454,8 +451,7 @@ def bench_rollout(
 
     Example: rollstream bench rollout --model .run/policy-sft --update-model random-0.5b --json
     """
-    trajectories = BACKLOG * concurrency if trajectories is None else trajectories
-    if trajectories < 1 or concurrency < 1 or max_new_tokens < 1:
+    if (trajectories is not None and trajectories < 1) or concurrency < 1 or max_new_tokens < 1:
         _fail("--trajectories, --concurrency and --max-new-tokens must be positive")
     for given in (model, None if update_model in (None, RANDOM_LARGE) else Path(update_model)):
         if given is not None and not (given / "config.json").is_file():
@@ -464,6 +460,10 @@ def bench_rollout(
             _fail(f"{given} is not a Qwen2-architecture checkpoint (weight updates are timed on Qwen2 shapes)")
     cfg = load_config(config)
     envs = load_config().envs
+    try:
+        trajectories = task_count(trajectories, concurrency, [len(registry.samples(f, s, envs)) for f, s in MIX])
+    except ValueError as error:
+        _fail(str(error))
     loop = AgentLoopSettings(max_new_tokens=max_new_tokens)
     run = f"bench-rollout-{uuid.uuid4().hex[:10]}"
     err = Console(stderr=True)
@@ -569,8 +569,8 @@ def _print(report: dict[str, Any]) -> None:
     console.print(usage)
     turn = report["time_per_turn"]
     console.print(f"per turn of the loop: {turn['generate_ms']:.0f} ms in the engine call, "
-                  f"{turn['environment_ms']:.1f} ms in the environment, {turn['loop_ms']:.1f} ms in the rest of the loop; the loop's CPU per token "
-                  f"is {num(report['loop_cpu_share'], '.1%')} of the engine's alone")
+                  f"{turn['environment_ms']:.1f} ms in the environment, {turn['loop_ms']:.1f} ms in the rest of the "
+                  f"loop; the loop's CPU per token is {num(report['loop_cpu_share'], '.1%')} of the engine's alone")
     console.print(f"published (read back from Kafka, run {report['run']}): {events['steps']} steps, "
                   f"{events['trajectories']} trajectories; producer flush after the last trajectory "
                   f"{events['flush_s'] * 1000:.1f} ms")

@@ -14,6 +14,11 @@ from env_workers.engines import turn_seed
 from schemas.arrays import unpack_ids
 
 MB = 1024 * 1024
+BACKLOG = 4
+"""Default tasks per agent loop of phase 1. A run's env worker always has tasks waiting (the dispatcher keeps
+`mix.max_in_flight_groups` groups out), so a loop that ends takes the next task; with as many tasks as loops
+the engine's batch would empty as the short trajectories end and the long ones run on alone, which is the
+workload's tail, not the loop's cost (the fleet's own bench: bench pipeline)."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +80,19 @@ def chains(trajectories: Sequence[Mapping[str, Any]], replacement: int, seeded: 
                          [turn_seed(tid, turn["start"]) if seeded else None for turn in turns],
                          [ids[end:following] for end, following in zip(ends, nexts, strict=True)]))
     return out
+
+
+def task_count(requested: int | None, concurrency: int, split_sizes: Sequence[int]) -> int:
+    """Tasks of phase 1: `requested`, or BACKLOG per agent loop, within the mix's distinct tasks (the mix
+    alternates its splits, so it holds len(split_sizes) x the smallest split); ValueError in one line when
+    `requested` asks for more."""
+    available = len(split_sizes) * min(split_sizes)
+    if requested is None:
+        return min(BACKLOG * concurrency, available)
+    if requested > available:
+        raise ValueError(f"--trajectories {requested} is more than the {available} distinct tasks of the mix "
+                         f"(splits of {', '.join(map(str, split_sizes))} samples, alternating)")
+    return requested
 
 
 def loop_seconds(trajectories: Iterable[Mapping[str, Any]], acknowledged_at_s: float) -> float:

@@ -67,3 +67,10 @@ def test_bench_rollout_refuses_a_non_positive_count_in_one_line():
     assert result.exit_code == 2
     assert result.output.strip() == ("rollstream bench rollout: --trajectories, --concurrency and --max-new-tokens "
                                      "must be positive")
+
+
+def test_bench_rollout_refuses_more_tasks_than_the_mix_holds_in_one_line():
+    result = CliRunner().invoke(app, ["bench", "rollout", "--trajectories", "100000"])
+    assert result.exit_code == 2
+    assert result.output.strip().startswith("rollstream bench rollout: --trajectories 100000 is more than the ")
+    assert len(result.output.strip().splitlines()) == 1

@@ -13,6 +13,7 @@ from pipeline.bench.rollout_logic import (
     loop_seconds,
     metric_totals,
     status_counts,
+    task_count,
     time_per_turn,
     transfer,
     turn_requests,
@@ -123,3 +124,11 @@ def test_time_per_turn_splits_each_turn_into_engine_call_environment_and_the_res
          "turns": [{"generate_ms": 400.0, "env_ms": 50.0}, {"generate_ms": 500.0, "env_ms": 50.0}]}
     assert time_per_turn([t]) == {"generate_ms": 450.0, "environment_ms": 50.0, "loop_ms": 50.0}
     assert time_per_turn([]) == {"generate_ms": 0.0, "environment_ms": 0.0, "loop_ms": 0.0}
+
+
+def test_phase_1_takes_four_tasks_per_loop_by_default_within_the_mixs_distinct_tasks():
+    assert task_count(None, concurrency=16, split_sizes=[200, 60]) == 64
+    assert task_count(None, concurrency=32, split_sizes=[200, 60]) == 120  # two splits of at least 60
+    assert task_count(10, concurrency=32, split_sizes=[200, 60]) == 10
+    with pytest.raises(ValueError, match=r"^--trajectories 121 is more than the 120 distinct tasks of the mix"):
+        task_count(121, concurrency=4, split_sizes=[200, 60])
