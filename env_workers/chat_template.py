@@ -88,8 +88,7 @@ def piece_pattern(tokenizer: Any) -> re.Pattern[str] | None:
     if not added or any(getattr(t, "lstrip", True) or getattr(t, "rstrip", True) or getattr(t, "single_word", True)
                         for t in added):
         return None
-    contents = sorted({t.content for t in added}, key=len, reverse=True)
-    return re.compile("|".join(map(re.escape, contents)))
+    return marker_pattern([t.content for t in added])  # a one-character token left uncut is still encoded right
 
 
 def pieces(text: str, pattern: re.Pattern[str]) -> list[str]:

@@ -33,6 +33,12 @@ class TurnRequest:
     the same sampling cost."""
 
 
+def uncached(prompt: Sequence[int], replacement: int) -> list[int]:
+    """`prompt` with its first token replaced by `replacement` (or `replacement + 1` where it already is that),
+    so no prefix cached from the loop's own prompt serves it."""
+    return [replacement if prompt[0] != replacement else replacement + 1, *prompt[1:]]
+
+
 def turn_requests(trajectories: Sequence[Mapping[str, Any]], replacement: int, seeded: bool) -> list[TurnRequest]:
     """A request per turn: that turn's prompt with its first token replaced by `replacement` (or
     `replacement + 1` where it already is that), so the prefix cache phase 1 warmed cannot serve it
@@ -42,9 +48,8 @@ def turn_requests(trajectories: Sequence[Mapping[str, Any]], replacement: int, s
         ids = unpack_ids(trajectory["input_ids"]).tolist()
         for turn in trajectory["turns"]:
             prompt = ids[:turn["start"]]
-            first = replacement if prompt[0] != replacement else replacement + 1
             seed = turn_seed(trajectory["trajectory_id"], len(prompt)) if seeded else None
-            requests.append(TurnRequest([first, *prompt[1:]], turn["length"], seed))
+            requests.append(TurnRequest(uncached(prompt, replacement), turn["length"], seed))
     return requests
 
 
@@ -71,8 +76,7 @@ def chains(trajectories: Sequence[Mapping[str, Any]], replacement: int, seeded: 
         turns = trajectory["turns"]
         if not turns:
             continue
-        prompt = ids[:turns[0]["start"]]
-        prompt[0] = replacement if prompt[0] != replacement else replacement + 1
+        prompt = uncached(ids[:turns[0]["start"]], replacement)
         ends = [turn["start"] + turn["length"] for turn in turns]
         nexts = [turn["start"] for turn in turns[1:]] + [ends[-1]]
         tid = trajectory["trajectory_id"]
