@@ -65,7 +65,7 @@ from typing import Any, Protocol
 from env_workers.chat_template import ChatEncoder, TemplatePrefixError, bounded
 from env_workers.engine_client import EngineError, Generation
 from env_workers.envs.base import Status
-from env_workers.latency import step_delay_s
+from env_workers.workload import new_tokens_cap, step_delay_s, turn_budget
 from env_workers.settings import AgentLoopSettings
 from env_workers.tool_parser import ParsedMessage, parse_error_message, parse_tool_calls
 from schemas.arrays import pack_ids, pack_logprobs, pack_mask
@@ -222,11 +222,13 @@ class Loop:
     ) -> None:
         self.task, self.request = task, task["request"]
         self.plan: list[str] = list(task.get("turn_pools") or [])
-        # the router's turn budget (streams.turn_schedule), never above this loop's own limit
-        self.max_turns = min(settings.max_turns, task.get("max_turns") or settings.max_turns)
         self.encoder, self.pick_engine, self.settings = encoder, pick_engine, settings
         self.clock, self.sleep, self.on_step = clock, sleep, on_step
         self.id = trajectory_id(self.request["run"], self.request["group_id"], self.request["member"])
+        self.shape = settings.family_workload(self.request["task"])  # a benchmark's workload, if any
+        # the router's turn budget (streams.turn_schedule) and a benchmark's, never above this loop's own limit
+        self.max_turns = min(settings.max_turns, task.get("max_turns") or settings.max_turns,
+                             turn_budget(self.shape.turns, self.id, settings.max_turns))
         self.record = _Record()
         self.text_ids: list[int] = []
         """encode(history) at the last turn boundary: the record, but for sampled spans kept as sampled
@@ -349,7 +351,8 @@ class Loop:
         the last engine error once retries are spent."""
         planned = self.plan[turn] if turn < len(self.plan) else CURRENT_POOL
         started = self.clock()
-        result = await self.generate(planned, min(self.settings.max_new_tokens, room))
+        cap = new_tokens_cap(self.shape.new_tokens, self.id, turn, self.settings.max_new_tokens)
+        result = await self.generate(planned, min(cap, room))
         generate_ms = (self.clock() - started) * 1000.0
         if isinstance(result, str):
             return result
@@ -375,8 +378,8 @@ class Loop:
             sampled = await self.sample_turn(turn, room)
             if isinstance(sampled, str):
                 return Ending(Status.TASK_ERROR, ENGINE_ERROR, error=sampled)
-            if settings.step_latency.enabled:  # a benchmark's slow environment, paid on every turn
-                await self.sleep(step_delay_s(settings.step_latency, self.id, turn))
+            if self.shape.step_latency.enabled:  # a benchmark's slow environment, paid on every turn
+                await self.sleep(step_delay_s(self.shape.step_latency, self.id, turn))
 
             parsed = parse_tool_calls(self.history[-1]["content"], call_id_prefix=f"call_{turn}")
             if not self.close_turn(sampled.generation.token_ids):

@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from env_workers.envs.base import Status
-from env_workers.latency import StepLatency
+from env_workers.envs.registry import FAMILY_MODULES
+from env_workers.workload import FamilyWorkload, StepLatency
 
 LIMIT_STATUSES: tuple[Status, ...] = (Status.AGENT_CONTEXT_LIMIT, Status.TASK_LIMIT_REACHED)
 """The turn or length limit reached without completion: the default of `punished_statuses`."""
@@ -67,6 +68,26 @@ class AgentLoopSettings(BaseModel):
     token, a longer answer could never fit the context and would only cost tokenizing every turn."""
     step_latency: StepLatency = StepLatency()
     """Not in the paper: delay added to every environment step, for benchmarks (off by default)."""
+    workload: tuple[FamilyWorkload, ...] = ()
+    """Not in the paper: a benchmark's shape per family (env_workers/workload.py): its own step latency, a
+    heavy-tailed turn budget per trajectory and cap on each turn's new tokens. Empty (default): none."""
+
+    @field_validator("workload")
+    @classmethod
+    def _known_families_once(cls, workload: tuple[FamilyWorkload, ...]) -> tuple[FamilyWorkload, ...]:
+        names = [shape.family for shape in workload]
+        unknown = sorted(set(names) - set(FAMILY_MODULES))
+        if unknown:
+            raise ValueError(f"no family {', '.join(unknown)} (families: {', '.join(sorted(FAMILY_MODULES))})")
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"family {', '.join(twice)} has more than one workload shape")
+        return workload
+
+    def family_workload(self, family: str) -> FamilyWorkload:
+        """`family`'s shape, its step latency filled in from step_latency when it sets none."""
+        shape = next((s for s in self.workload if s.family == family), FamilyWorkload(family=family))
+        return shape if shape.step_latency else shape.model_copy(update={"step_latency": self.step_latency})
 
     @field_validator("punished_statuses")
     @classmethod

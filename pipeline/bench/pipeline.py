@@ -7,8 +7,9 @@ invocation on the real stack, side by side, against the bound perfect overlap of
 2. **synchronous** — the standard RLVR loop: the dispatcher lets out one batch of groups, waits for
    the slowest trajectory, the learner trains and broadcasts, and only then is the next batch let
    out (`mix.max_in_flight_groups` = one batch; every engine in the current pool, staleness 0);
-3. **asynchronous** — the normal pipeline: two batches in flight, a current and a stale engine
-   (the same number of engines), rollouts going on while the learner trains;
+3. **asynchronous** — the normal pipeline: the workload's `mix.max_in_flight_groups` in flight (two
+   batches by default), a current and a stale engine (the same number of engines), rollouts going on
+   while the learner trains;
 4. **learner alone** — the asynchronous mode's own batches, copied under a run id of their own, trained
    back to back by a learner process from the same initial policy with no engine running: the
    learner stage's rate on exactly the work the asynchronous mode trained, with nothing beside it.
@@ -22,10 +23,10 @@ waits for ever (tests/unit/test_batcher_held.py). Whenever async / bound exceeds
 whether by the noise of the stages alone or beyond it (the bound then does not hold); the figure is
 never clamped.
 
-The workload (configs/pipeline.yaml): calculator and DB tasks on a small random policy, turn counts
-from 1 to max_turns as the policy ends them, and a log-normal environment step latency
-(`agent_loop.step_latency`, median 1 s, sigma 1: p99 near 10 s), the heavy tail AgentRL and ROLL
-measure in agentic environments.
+The workload (configs/pipeline.yaml): calculator, DB and knowledge-graph tasks on a small random policy,
+each family with its own heavy-tailed shape (`agent_loop.workload`, env_workers/workload.py): turns per
+trajectory, new tokens per turn and environment step latency drawn log-normally per trajectory and turn,
+so that a synchronous round waits for its longest trajectory, as the paper's long-tail rollouts do.
 """
 
 from __future__ import annotations
@@ -100,8 +101,7 @@ def mode_config(base: RollstreamConfig, mode: str, steps: int, warmup_steps: int
         skip, measured = rollout_groups(base, steps)
         data["max_steps"] = 1
         data["mix"]["max_in_flight_groups"] = 2 * skip + measured
-    else:
-        data["mix"]["max_in_flight_groups"] = None  # the dispatcher's default: two batches
+    # the asynchronous mode keeps the workload's own bound (None: the dispatcher's default, two batches)
     return RollstreamConfig(**data)
 
 
@@ -234,7 +234,7 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
         mode_cfg = mode_config(cfg, mode, steps, warmup_steps)
         say(f"{mode}: run {run}-{mode}, {warmup_steps} + {steps} learner steps, engines current "
             f"{mode_cfg.engines.current} stale {mode_cfg.engines.stale}, at most "
-            f"{mode_cfg.mix.max_in_flight_groups or 'two batches of'} groups in flight")
+            f"{mode_cfg.mix.max_in_flight_groups or 2 * mode_cfg.streams.batch_size} groups in flight")
         events = runs[mode] = _events(cfg, mode_cfg, f"{run}-{mode}", mode, console)
         kwargs = learner_kwargs(events)
         figures[mode] = mode_figures(requested=[r for r in events[topics.TASKS_REQUESTED] if not r["validation"]],
@@ -266,7 +266,9 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
             "stages_alone": alone, "figure": str(out_dir / "timeline.png"),
             "workload": {"steps": steps, "warmup_steps": warmup_steps, "families": cfg.mix.families,
                          "group_size": cfg.streams.group_size, "batch_size": cfg.streams.batch_size,
-                         "max_turns": cfg.agent_loop.max_turns, "step_latency": cfg.agent_loop.step_latency.model_dump()}}
+                         "max_turns": cfg.agent_loop.max_turns, "max_new_tokens": cfg.agent_loop.max_new_tokens,
+                         "shapes": {family: cfg.agent_loop.family_workload(family).model_dump()
+                                    for family in sorted({f.split(":")[0] for f in cfg.mix.families})}}}
 
 
 def print_result(result: dict[str, Any], console: Console) -> None:

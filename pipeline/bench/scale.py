@@ -2,7 +2,7 @@
 
 One current-pool engine serves a small random policy; calculator tasks go straight onto `tasks`
 (the env workers' input; a backlog is kept so no worker ever waits for work); environment steps
-carry a log-normal latency (env_workers/latency.py) so that, as in real agentic tasks, waiting on
+carry a log-normal latency (env_workers/workload.py) so that, as in real agentic tasks, waiting on
 the environment dominates and CPU is not the limit. Env workers are started one at a time; after
 each start the consumer group rebalances, and once it is stable (every worker holds partitions)
 and `--settle` seconds have passed, trajectories/s is measured over `--window` seconds from the
@@ -28,7 +28,7 @@ from confluent_kafka.admin import AdminClient
 from rich.console import Console
 from rich.table import Table
 
-from env_workers.latency import StepLatency
+from env_workers.workload import StepLatency
 from env_workers.settings import AgentLoopSettings
 from env_workers.worker_settings import EnvWorkerSettings
 from pipeline.analysis.replay_verify import VerifySettings, same_content

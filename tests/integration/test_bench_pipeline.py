@@ -21,10 +21,15 @@ pytestmark = pytest.mark.integration
 def test_scaled_down_bench_pipeline_measures_both_modes_and_a_bound_from_the_stages_alone(infra, tmp_path: Path):
     config = yaml.safe_load((REPO_ROOT / "configs" / "pipeline.yaml").read_text())
     config |= {"runs_dir": str(tmp_path / "runs")}
-    # The full run's heavy-tailed environment latency (median 1 s, up to 30 s per step) is what makes the
-    # synchronous mode wait; scaled down, a short tail keeps both modes and the replay at a few minutes
-    # while every phase still runs on the real stack.
-    config["agent_loop"]["step_latency"] = {"median_s": 0.2, "sigma": 0.5, "max_s": 2.0}
+    # The full run's heavy tails (up to 16 turns, 256 tokens a turn, 30 s a step, batches of 8 groups x 4) are
+    # what makes the synchronous mode wait; scaled down, short ones keep both modes and the replay at a few
+    # minutes while every phase, and every family's drawn shape, still runs on the real stack.
+    loop = config["agent_loop"]
+    loop |= {"max_turns": 4, "max_new_tokens": 32, "step_latency": {"median_s": 0.2, "sigma": 0.5, "max_s": 2.0}}
+    for shape in loop["workload"]:
+        shape["step_latency"] = loop["step_latency"]
+    config["streams"] |= {"max_turns": 4, "group_size": 2, "batch_size": 3}
+    config["mix"].pop("max_in_flight_groups")  # the dispatcher's default, two of these small batches
     # Fewer rollout slots: the rollout-alone run holds its learner until its warm-up (one group per
     # slot) and measured groups are ready, so 8 slots instead of 32 let it out after 12 groups, not 48.
     config["env_workers"]["concurrency"] = 4

@@ -20,6 +20,7 @@ from env_workers.chat_template import ChatEncoder, TemplatePrefixError
 from env_workers.engine_client import EngineError, Generation, completion_request, parse_completion
 from env_workers.envs.base import Status
 from env_workers.settings import LIMIT_STATUSES, WIDE_PUNISHED_STATUSES, AgentLoopSettings
+from env_workers.workload import FamilyWorkload, LogNormalCount, StepLatency, new_tokens_cap, step_delay_s, turn_budget
 from pipeline.run.config import settings_json
 from pipeline.policy.model_init import build_tokenizer
 from schemas.arrays import unpack_ids, unpack_logprobs, unpack_mask
@@ -244,6 +245,31 @@ def test_max_turns_ends_with_task_limit_reached_and_the_last_answer_unrecorded(e
     assert (t["status"], t["termination"], t["reward"], len(t["turns"])) == ("task_limit_reached", "max_turns", -0.2, 3)
     assert rollout.steps[-1]["env_tokens"] == 0
     assert encoder.encode(rollout.messages, TOOLS, False) == arrays(rollout)[0]
+
+
+def test_a_benchmark_workload_draws_the_turn_budget_new_tokens_and_delays_of_the_tasks_family(encoder):
+    shape = FamilyWorkload(family="calc", step_latency=StepLatency(median_s=0.5),
+                           turns=LogNormalCount(median=4, sigma=0.5),
+                           new_tokens=LogNormalCount(median=16, sigma=1.0))
+    settings = AgentLoopSettings(max_turns=20, max_new_tokens=64, engine_retry_backoff_s=0.0, workload=[shape])
+    tid = trajectory_id("run-1", "g-7", 3)
+    budget = turn_budget(shape.turns, tid, 20)
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    engine = ScriptedEngine(encoder, [CALL])
+    rollout = asyncio.run(run_agent_loop(make_task(), {"q": "1 + 2"}, FakeEnv(rounds=100), encoder,
+                                         lambda pool: (pool, engine), settings, worker_id="worker-a",
+                                         clock=lambda: 1_700_000_000.0, sleep=sleep))
+    assert 1 < budget < 20
+    assert (rollout.trajectory["status"], len(rollout.trajectory["turns"])) == ("task_limit_reached", budget)
+    assert engine.max_tokens == [new_tokens_cap(shape.new_tokens, tid, turn, 64) for turn in range(budget)]
+    assert slept == [step_delay_s(shape.step_latency, tid, turn) for turn in range(budget)]
+    db = run(encoder, FakeEnv(rounds=100), ScriptedEngine(encoder, [CALL]), settings,
+             task={**make_task(), "request": {**make_task()["request"], "task": "db"}})
+    assert len(db.trajectory["turns"]) == 20  # no shape for db: the loop's own limits
 
 
 def test_malformed_tool_call_becomes_an_error_message_the_policy_sees_and_is_counted(encoder):

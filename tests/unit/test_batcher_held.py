@@ -17,7 +17,8 @@ from schemas.codec import codec
 from streams import batcher_state as bat
 from streams.settings import StreamsSettings
 
-# configs/pipeline.yaml's batching: groups of 2, batches of 3 groups, a first batch of one batch
+# a bench pipeline's batching (configs/pipeline.yaml's until 2026-12-05): groups of 2, batches of 3 groups,
+# a first batch of one batch
 PIPELINE = StreamsSettings(group_size=2, batch_size=3, stale_step=2, first_batch_factor=1.0, group_timeout_s=300)
 HELD_GROUPS = 48  # what the stages run let out: 2 x 16 warm-up groups + 16 measured
 T0 = 1_000_000

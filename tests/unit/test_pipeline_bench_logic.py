@@ -257,7 +257,8 @@ def test_the_modes_share_the_workload_and_engine_count_and_differ_in_their_pipel
     sync, async_ = mode_config(base, "sync", 2, 1), mode_config(base, "async", 2, 1)
     assert sync.streams == async_.streams and sync.learner == async_.learner and sync.max_steps == async_.max_steps == 3
     assert sync.engines.current == async_.engines.current + async_.engines.stale and sync.engines.stale == 0
-    assert sync.mix.max_in_flight_groups == base.streams.batch_size and async_.mix.max_in_flight_groups is None
+    assert sync.mix.max_in_flight_groups == base.streams.batch_size
+    assert async_.mix.max_in_flight_groups == base.mix.max_in_flight_groups  # the workload's own bound
     assert mode_config(base, ALONE, 2, 1).engines == async_.engines
 
 
