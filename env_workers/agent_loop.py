@@ -65,9 +65,9 @@ from typing import Any, Protocol
 from env_workers.chat_template import ChatEncoder, TemplatePrefixError, bounded
 from env_workers.engine_client import EngineError, Generation
 from env_workers.envs.base import Status
-from env_workers.workload import new_tokens_cap, step_delay_s, turn_budget
 from env_workers.settings import AgentLoopSettings
 from env_workers.tool_parser import ParsedMessage, parse_error_message, parse_tool_calls
+from env_workers.workload import new_tokens_cap, step_delay_s, turn_budget
 from schemas.arrays import pack_ids, pack_logprobs, pack_mask
 from schemas.behaviour import call_facts
 from schemas.ids import trajectory_id
