@@ -80,16 +80,16 @@ def step_delay_s(latency: StepLatency, trajectory_id: str, turn: int) -> float:
     return min(latency.max_s, _quantile(latency.median_s, latency.sigma, f"{trajectory_id}/{turn}"))
 
 
+def _drawn(count: LogNormalCount | None, key: str, limit: int) -> int:
+    """A count drawn at `key`, within 1 and `limit`; `limit` itself when there is nothing to draw."""
+    return limit if count is None else max(1, min(limit, round(_quantile(count.median, count.sigma, key))))
+
+
 def turn_budget(count: LogNormalCount | None, trajectory_id: str, max_turns: int) -> int:
     """The turns `trajectory_id` may take: max_turns when the family draws none."""
-    if count is None:
-        return max_turns
-    return max(1, min(max_turns, round(_quantile(count.median, count.sigma, f"{trajectory_id}/turns"))))
+    return _drawn(count, f"{trajectory_id}/turns", max_turns)
 
 
 def new_tokens_cap(count: LogNormalCount | None, trajectory_id: str, turn: int, max_new_tokens: int) -> int:
     """The new tokens turn `turn` of `trajectory_id` may generate: max_new_tokens when the family draws none."""
-    if count is None:
-        return max_new_tokens
-    key = f"{trajectory_id}/{turn}/new_tokens"
-    return max(1, min(max_new_tokens, round(_quantile(count.median, count.sigma, key))))
+    return _drawn(count, f"{trajectory_id}/{turn}/new_tokens", max_new_tokens)

@@ -267,8 +267,8 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
             "workload": {"steps": steps, "warmup_steps": warmup_steps, "families": cfg.mix.families,
                          "group_size": cfg.streams.group_size, "batch_size": cfg.streams.batch_size,
                          "max_turns": cfg.agent_loop.max_turns, "max_new_tokens": cfg.agent_loop.max_new_tokens,
-                         "shapes": {family: cfg.agent_loop.family_workload(family).model_dump()
-                                    for family in sorted({f.split(":")[0] for f in cfg.mix.families})}}}
+                         "step_latency": cfg.agent_loop.step_latency.model_dump(),
+                         "shapes": [shape.model_dump() for shape in cfg.agent_loop.workload]}}
 
 
 def print_result(result: dict[str, Any], console: Console) -> None:
