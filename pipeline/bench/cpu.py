@@ -9,6 +9,7 @@ without them: a process can be slow because it works, or because it is runnable 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -79,3 +80,33 @@ class CpuMeter:
                 "loop_thread_wait": thread_wait_seconds(), "engine": cpu_seconds(engine),
                 "broker": cpu_seconds([self.broker]) if self.broker is not None else None,
                 "machine": machine_busy_seconds()}
+
+
+class MachineCpuSampler:
+    """Samples the machine's busy CPU seconds (machine_busy_seconds) with their wall time, every `interval_s`,
+    in a thread of its own while it is entered: what a benchmark reads the CPU of any window of its runs from
+    afterwards (pipeline/bench/pipeline_logic.cpu_between), however the window is found."""
+
+    def __init__(self, interval_s: float = 0.5) -> None:
+        self.interval_s = interval_s
+        self.samples: list[tuple[int, float]] = []  # (wall time ms, busy CPU seconds since boot)
+        self.cores = psutil.cpu_count() or 1
+        self._halt = threading.Event()
+        self._thread = threading.Thread(target=self._sample, name="machine-cpu", daemon=True)
+
+    def _take(self) -> None:
+        self.samples.append((int(time.time() * 1000), machine_busy_seconds()))
+
+    def _sample(self) -> None:
+        while not self._halt.wait(self.interval_s):
+            self._take()
+
+    def __enter__(self) -> MachineCpuSampler:
+        self._take()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._halt.set()
+        self._thread.join()
+        self._take()

@@ -45,10 +45,12 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from pipeline.bench.cpu import MachineCpuSampler
 from pipeline.bench.pipeline_logic import (
     bound,
     bound_warnings,
     comparison,
+    cores_bound,
     engine_intervals,
     learner_alone,
     learner_intervals,
@@ -57,6 +59,7 @@ from pipeline.bench.pipeline_logic import (
     replay_differences,
     replay_order,
     rollout_alone,
+    stage_cpu,
 )
 from pipeline.policy.random_policy import ensure_random_policy
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config
@@ -143,6 +146,14 @@ class LearnerHold:
                                                  start=Bound(timestamp_ms=self.since_ms))}
 
 
+def _prefixed(stage: str, figures: dict[str, Any]) -> dict[str, Any]:
+    return {f"{stage}_{key}": value for key, value in figures.items()}
+
+
+def _cores_said(busy: float | None) -> str:
+    return "" if busy is None else f", the machine's cores {busy:.0%} busy"
+
+
 def _plot(timelines: dict[str, dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -157,9 +168,19 @@ def _plot(timelines: dict[str, dict[str, Any]], path: Path) -> None:
         for y, (label, intervals, colour) in enumerate(rows):
             ax.broken_barh([((a - start) / 1000, (b - a) / 1000) for a, b in merged(intervals)], (y - 0.35, 0.7),
                            color=colour)
+        # the share of the machine's cores busy between samples, drawn as a filled curve in a row of its own
+        cpu = tl.get("cpu") or []
+        pairs = [(a, b) for a, b in zip(cpu, cpu[1:]) if b[0] > a[0] and b[0] > start and a[0] < tl["end_ms"]]
+        if pairs:
+            xs = [((a[0] + b[0]) / 2 - start) / 1000 for a, b in pairs]
+            shares = [min(1.0, (b[1] - a[1]) * 1000 / ((b[0] - a[0]) * tl["cores"])) for a, b in pairs]
+            base = len(rows) - 0.35
+            ax.fill_between(xs, base, [base + 0.7 * v for v in shares], color="tab:gray", step="mid", linewidth=0)
+            rows.append(("cores busy", [], "tab:gray"))
         ax.set_yticks(range(len(rows)), [r[0] for r in rows])
         ax.set_xlim(0, (tl["end_ms"] - start) / 1000)
-        ax.set_title(f"{mode}: busy intervals (generation on engines, steps on the learner)", fontsize=10)
+        ax.set_title(f"{mode}: busy intervals (generation on engines, steps on the learner) and the share of the "
+                     "machine's cores busy", fontsize=10)
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("seconds since the first dispatched task")
     fig.tight_layout()
@@ -210,6 +231,13 @@ def _replay_learner(cfg: RollstreamConfig, learner_run: str, batches: list[dict[
 
 def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Console,
                        warmup_steps: int = 1) -> dict[str, Any]:
+    # the machine's CPU, sampled through every run: what the cores did in each stage's and mode's window
+    with MachineCpuSampler() as cpu:
+        return _run_pipeline_bench(cfg, steps, run, console, warmup_steps, cpu)
+
+
+def _run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Console, warmup_steps: int,
+                        cpu: MachineCpuSampler) -> dict[str, Any]:
     from pipeline.analysis.replay_columns import action_tokens  # noqa: PLC0415
 
     say = timestamped(console)
@@ -221,7 +249,10 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
     events = _events(cfg, alone_cfg, f"{run}-{ALONE}", ALONE, console, hold.tick)
     rollout = rollout_alone(groups=events[topics.GROUPS], action_tokens=action_tokens, skip=skip, measured=measured,
                             per_batch=cfg.streams.batch_size)
-    say(f"{ALONE}: {rollout['rollout_tokens_per_s']:.1f} trained tokens/s alone over {rollout['rollout_window_s']:.0f} s")
+    rollout |= _prefixed("rollout", stage_cpu(cpu.samples, [rollout["rollout_window_ms"]], rollout["rollout_tokens"],
+                                              cpu.cores))
+    say(f"{ALONE}: {rollout['rollout_tokens_per_s']:.1f} trained tokens/s alone over "
+        f"{rollout['rollout_window_s']:.0f} s{_cores_said(rollout['rollout_cpu_busy'])}")
 
     def learner_kwargs(events: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         return dict(batches=events[topics.BATCHES], weights=events[topics.WEIGHTS], metrics=events[topics.METRICS],
@@ -241,19 +272,29 @@ def run_pipeline_bench(cfg: RollstreamConfig, steps: int, run: str, console: Con
                                      steps=events[topics.STEPS], **kwargs)
         # the learner's rate in the mode's own steps (beside the rollouts in the asynchronous mode)
         figures[mode]["learner_step_tokens_per_s"] = learner_alone(**kwargs)["learner_tokens_per_s"]
+        figures[mode] |= stage_cpu(cpu.samples, [(figures[mode]["start_ms"], figures[mode]["end_ms"])],
+                                   figures[mode]["trained_tokens"], cpu.cores)
         timelines[mode] = {"start_ms": figures[mode]["start_ms"], "end_ms": figures[mode]["end_ms"],
                            "engines": engine_intervals(events[topics.STEPS]),
-                           "learner": list(learner_intervals(events[topics.METRICS]).values())}
+                           "learner": list(learner_intervals(events[topics.METRICS]).values()),
+                           "cpu": list(cpu.samples), "cores": cpu.cores}
         say(f"{mode}: {figures[mode]['trained_tokens_per_s']:.1f} trained tokens/s over {figures[mode]['wall_s']:.0f} s "
-            f"after the warm-up")
+            f"after the warm-up{_cores_said(figures[mode]['cpu_busy'])}")
     learner_run = f"{run}-{LEARNER}"
     replayed = replay_order(runs["async"][topics.BATCHES], runs["async"][topics.WEIGHTS])
     say(f"{LEARNER}: run {learner_run}, the asynchronous run's {len(replayed)} batches replayed by a learner alone "
         f"(no engine), {warmup_steps} of them warm-up")
     learner_events = _replay_learner(cfg, learner_run, replayed)
     learner = learner_alone(**learner_kwargs(learner_events))
-    say(f"{LEARNER}: {learner['learner_tokens_per_s']:.1f} trained tokens/s alone over {learner['learner_steps']} steps")
+    measured_steps = [iv for step, iv in learner_intervals(learner_events[topics.METRICS]).items()
+                      if step > warmup_steps]
+    learner |= _prefixed("learner", stage_cpu(cpu.samples, measured_steps, learner["learner_tokens"], cpu.cores))
+    say(f"{LEARNER}: {learner['learner_tokens_per_s']:.1f} trained tokens/s alone over {learner['learner_steps']} steps"
+        f"{_cores_said(learner['learner_cpu_busy'])}")
     alone = bound(rollout, learner)
+    alone["cores"] = cpu.cores
+    alone["cores_bound_tokens_per_s"] = cores_bound(rollout["rollout_cpu_s_per_token"],
+                                                    learner["learner_cpu_s_per_token"], cpu.cores)
     result = comparison(figures["sync"], figures["async"], alone)
     layout = replay_differences(learner_events[topics.WEIGHTS], runs["async"][topics.WEIGHTS], warmup_steps)
     warnings = bound_warnings(result)
@@ -281,15 +322,23 @@ def print_result(result: dict[str, Any], console: Console) -> None:
     rows = [("trained tokens/s", "trained_tokens_per_s", "{:.1f}"), ("trajectories/s", "trajectories_per_s", "{:.2f}"),
             ("engine busy", "engine_busy", "{:.0%}"), ("learner busy", "learner_busy", "{:.0%}"),
             ("learner tokens/s in its steps", "learner_step_tokens_per_s", "{:.1f}"),
-            ("mean staleness (versions)", "mean_staleness", "{:.2f}"), ("wall (s)", "wall_s", "{:.0f}")]
+            ("mean staleness (versions)", "mean_staleness", "{:.2f}"), ("wall (s)", "wall_s", "{:.0f}"),
+            ("the machine's cores busy", "cpu_busy", "{:.0%}")]
     for label, key, fmt in rows:
-        table.add_row(label, *(fmt.format(result["modes"][m][key]) for m in MODES))
+        table.add_row(label, *("-" if result["modes"][m].get(key) is None else fmt.format(result["modes"][m][key])
+                               for m in MODES))
     console.print(table)
     alone = result["stages_alone"]
     console.print(f"stages alone: rollout {alone['rollout_tokens_per_s']:.1f} (learner held), learner "
                   f"{alone['learner_tokens_per_s']:.1f} (the asynchronous run's batches replayed, no engine) trained "
                   f"tokens/s; bound {alone['bound_tokens_per_s']:.1f} (noise allows async up to "
                   f"{result['of_bound_noise_limit'] or 0:.0%} of it)")
+    if alone.get("cores_bound_tokens_per_s"):
+        console.print(f"the cores' estimate: {alone['cores']} cores / (rollout "
+                      f"{alone['rollout_cpu_s_per_token'] * 1000:.2f} + learner "
+                      f"{alone['learner_cpu_s_per_token'] * 1000:.2f} CPU ms per trained token, each alone) = "
+                      f"{alone['cores_bound_tokens_per_s']:.1f} trained tokens/s; async / the lower of the two bounds: "
+                      f"{result['of_cores_bound']:.0%}")
     ratio, of_bound = result["ratio"], result["of_bound"]
     console.print(f"async / sync: {ratio:.2f}x; async / bound: {of_bound:.0%} in tokens, "
                   f"{result['of_bound_trajectories']:.0%} in trajectories; timeline {result['figure']}"

@@ -53,6 +53,7 @@ never clamps the figure.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -174,14 +175,15 @@ def _step_work(batches: Sequence[Mapping[str, Any]], weights: Sequence[Mapping[s
 
 
 def learner_alone(*, batches: Sequence[Mapping[str, Any]], weights: Sequence[Mapping[str, Any]],
-                  metrics: Sequence[Mapping[str, Any]], action_tokens: Any, warmup_steps: int) -> dict[str, float]:
+                  metrics: Sequence[Mapping[str, Any]], action_tokens: Any, warmup_steps: int) -> dict[str, Any]:
     """The learner's rate in a run's steps after its warm-up (alone when nothing else ran while it
     trained): their trained tokens and trajectories over their busy seconds, and its fastest step's."""
     work = _step_work(batches, weights, metrics, action_tokens, warmup_steps)
     busy_ms = sum(ms for _, _, ms in work)
     if not busy_ms:
         raise ValueError("no measured learner step: no learner rate")
-    return {"learner_tokens_per_s": sum(t for t, _, _ in work) * 1000 / busy_ms,
+    tokens = sum(t for t, _, _ in work)
+    return {"learner_tokens": tokens, "learner_tokens_per_s": tokens * 1000 / busy_ms,
             "learner_trajectories_per_s": sum(n for _, n, _ in work) * 1000 / busy_ms,
             "learner_fastest_tokens_per_s": max(t * 1000 / ms for t, _, ms in work),
             "learner_fastest_trajectories_per_s": max(n * 1000 / ms for _, n, ms in work),
@@ -189,7 +191,7 @@ def learner_alone(*, batches: Sequence[Mapping[str, Any]], weights: Sequence[Map
 
 
 def rollout_alone(*, groups: Sequence[Mapping[str, Any]], action_tokens: Any, skip: int,
-                  measured: int, per_batch: int | None = None) -> dict[str, float]:
+                  measured: int, per_batch: int | None = None) -> dict[str, Any]:
     """The rollout rate alone, from a run whose learner stayed idle: the trainable tokens and
     trajectories (unmasked members) of training groups skip+1 .. skip+measured, in the order they
     became ready, over the time from group `skip` being ready to the last of them; and the fastest
@@ -220,13 +222,15 @@ def rollout_alone(*, groups: Sequence[Mapping[str, Any]], action_tokens: Any, sk
         if chunk_ms > 0:
             chunks.append((*work(ready[i:i + size]), chunk_ms))
     chunks = chunks or [(tokens, trajectories, span_ms)]
-    return {"rollout_tokens_per_s": tokens * 1000 / span_ms, "rollout_trajectories_per_s": trajectories * 1000 / span_ms,
+    return {"rollout_tokens": tokens, "rollout_tokens_per_s": tokens * 1000 / span_ms,
+            "rollout_trajectories_per_s": trajectories * 1000 / span_ms,
             "rollout_fastest_tokens_per_s": max(t * 1000 / ms for t, _, ms in chunks),
             "rollout_fastest_trajectories_per_s": max(n * 1000 / ms for _, n, ms in chunks),
-            "rollout_groups": measured, "rollout_window_s": span_ms / 1000}
+            "rollout_groups": measured, "rollout_window_s": span_ms / 1000,
+            "rollout_window_ms": (ready[skip - 1]["ready_at_ms"], window[-1]["ready_at_ms"])}
 
 
-def bound(rollout: Mapping[str, float], learner: Mapping[str, float]) -> dict[str, float]:
+def bound(rollout: Mapping[str, Any], learner: Mapping[str, Any]) -> dict[str, Any]:
     """Both stages' rates alone and the rate their perfect overlap would reach: the slower one; and
     the most a perfect overlap of their fastest steps could reach (what noise can lift a run to)."""
     out = {**rollout, **learner}
@@ -240,9 +244,13 @@ def bound(rollout: Mapping[str, float], learner: Mapping[str, float]) -> dict[st
 
 def comparison(sync: Mapping[str, Any], async_: Mapping[str, Any], alone: Mapping[str, float]) -> dict[str, Any]:
     """async/sync and async/bound in trained tokens/s (and async/bound in trajectories/s), each
-    async/bound with its noise limit: the highest it can reach while the bound holds."""
+    async/bound with its noise limit: the highest it can reach while the bound holds; and async against the
+    lower of the bound and the cores' estimate (cores_bound) where the stages' CPU was sampled."""
     ratio = async_["trained_tokens_per_s"] / sync["trained_tokens_per_s"] if sync["trained_tokens_per_s"] else None
     out: dict[str, Any] = {"ratio": ratio}
+    by_cores = alone.get("cores_bound_tokens_per_s")
+    both = min(by_cores, alone["bound_tokens_per_s"]) if by_cores and alone.get("bound_tokens_per_s") else None
+    out["of_cores_bound"] = async_["trained_tokens_per_s"] / both if both else None
     for key, unit, rate in (("of_bound", "tokens", "trained_tokens_per_s"),
                             ("of_bound_trajectories", "trajectories", "trajectories_per_s")):
         by = alone.get(f"bound_{unit}_per_s")
@@ -267,6 +275,48 @@ def bound_warnings(result: Mapping[str, Any]) -> list[str]:
                          f"(at most {limit or 1.0:.3f}): the bound does not hold, the stages alone were not "
                          f"measured in the asynchronous mode's conditions")
     return lines
+
+
+CpuSamples = Sequence[tuple[int, float]]  # (wall time ms, the machine's busy CPU seconds since boot), in order
+
+
+def _busy_at(samples: CpuSamples, at_ms: int) -> float:
+    i = bisect.bisect_left(samples, at_ms, key=lambda s: s[0])
+    if samples[i][0] == at_ms:
+        return samples[i][1]
+    (t0, c0), (t1, c1) = samples[i - 1], samples[i]
+    return c0 + (c1 - c0) * (at_ms - t0) / (t1 - t0)
+
+
+def cpu_between(samples: CpuSamples, intervals: Iterable[Interval]) -> float | None:
+    """The machine's busy CPU seconds within the intervals (overlaps counted once), interpolated linearly
+    between the samples around each end; None when the samples do not cover them all."""
+    spans = merged(intervals)
+    if not spans or not samples or spans[0][0] < samples[0][0] or spans[-1][1] > samples[-1][0]:
+        return None
+    return sum(_busy_at(samples, b) - _busy_at(samples, a) for a, b in spans)
+
+
+def stage_cpu(samples: CpuSamples, intervals: Iterable[Interval], tokens: int, cores: int) -> dict[str, float | None]:
+    """What the machine's cores did while a stage (or a mode) worked: the busy share of all its cores over
+    the intervals, and busy CPU seconds per trained token."""
+    spans = merged(intervals)
+    cpu_s = cpu_between(samples, spans)
+    wall_s = sum(b - a for a, b in spans) / 1000
+    return {"cpu_busy": cpu_s / (cores * wall_s) if cpu_s is not None and wall_s > 0 else None,
+            "cpu_s_per_token": cpu_s / tokens if cpu_s is not None and tokens else None}
+
+
+def cores_bound(rollout_cpu_s_per_token: float | None, learner_cpu_s_per_token: float | None,
+                cores: int) -> float | None:
+    """Trained tokens/s the machine's cores allow when the two stages share them, each spending per token the
+    CPU it spent alone: cores / (rollout's + learner's CPU seconds per token). Where the stages run on
+    hardware of their own (the paper's) this does not apply; on one machine's cores it can lie below the
+    bound of the stages alone. An estimate, not a strict bound: a stage's CPU per token can change beside
+    the other (a niced engine's idle threads spin less when the learner takes their core)."""
+    if not rollout_cpu_s_per_token or not learner_cpu_s_per_token:
+        return None
+    return cores / (rollout_cpu_s_per_token + learner_cpu_s_per_token)
 
 
 Events = Mapping[str, Sequence[Mapping[str, Any]]]

@@ -44,10 +44,14 @@ def test_scaled_down_bench_pipeline_measures_both_modes_and_a_bound_from_the_sta
     for mode in ("sync", "async"):
         figures = report["modes"][mode]
         assert figures["trained_tokens_per_s"] > 0 and 0 < figures["engine_busy"] <= 1
+        assert 0 < figures["cpu_busy"] <= 1.05 and figures["cpu_s_per_token"] > 0  # sampled, with the sampler's jitter
     assert report["ratio"] > 0 and report["of_bound"] > 0
     alone = report["stages_alone"]
     assert alone["rollout_tokens_per_s"] > 0 and alone["learner_tokens_per_s"] > 0
     assert alone["bound_tokens_per_s"] == min(alone["rollout_tokens_per_s"], alone["learner_tokens_per_s"])
+    assert alone["cores_bound_tokens_per_s"] == pytest.approx(
+        alone["cores"] / (alone["rollout_cpu_s_per_token"] + alone["learner_cpu_s_per_token"]))
+    assert report["of_cores_bound"] >= report["of_bound"] > 0
     # the learner alone trained exactly the asynchronous mode's measured batches
     assert report["replay_differences"] == []
     assert Path(report["figure"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

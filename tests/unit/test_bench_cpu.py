@@ -10,7 +10,7 @@ import time
 
 import psutil
 
-from pipeline.bench.cpu import CpuMeter, cpu_seconds, thread_wait_seconds, tree
+from pipeline.bench.cpu import CpuMeter, MachineCpuSampler, cpu_seconds, thread_wait_seconds, tree
 
 
 def _spin(seconds: float) -> None:
@@ -65,3 +65,13 @@ def test_thread_wait_is_read_from_the_kernel_and_never_decreases():
     _spin(0.05)
     assert thread_wait_seconds() >= first
     assert thread_wait_seconds(native_id=2**22 + 12345) is None  # no such thread
+
+
+def test_the_machine_sampler_records_busy_cpu_over_wall_time_until_it_is_left():
+    with MachineCpuSampler(interval_s=0.05) as sampler:
+        _spin(0.3)
+    times = [t for t, _ in sampler.samples]
+    busy = [b for _, b in sampler.samples]
+    assert len(times) >= 4 and times == sorted(times) and busy == sorted(busy)
+    assert busy[-1] - busy[0] >= 0.2  # the spin, at least, was busy
+    assert not sampler._thread.is_alive()

@@ -9,9 +9,9 @@ import itertools
 import pytest
 
 from pipeline.bench.pipeline import ALONE, mode_config
-from pipeline.bench.pipeline_logic import (bound, bound_warnings, comparison, learner_alone,
-                                           learner_intervals, merged, mode_figures, replay_differences,
-                                           replay_order, rollout_alone, union_ms)
+from pipeline.bench.pipeline_logic import (bound, bound_warnings, comparison, cores_bound, cpu_between,
+                                           learner_alone, learner_intervals, merged, mode_figures,
+                                           replay_differences, replay_order, rollout_alone, stage_cpu, union_ms)
 from pipeline.run.config import REPO_ROOT, load_config
 
 
@@ -271,5 +271,41 @@ def test_ratios():
     assert comparison({"trained_tokens_per_s": 2.0}, {"trained_tokens_per_s": 4.5, "trajectories_per_s": 1.5},
                       {"bound_tokens_per_s": 5.0, "bound_trajectories_per_s": 2.0,
                        "bound_fastest_tokens_per_s": 6.0, "bound_fastest_trajectories_per_s": 2.0}) == \
-        {"ratio": 2.25, "of_bound": 0.9, "of_bound_trajectories": 0.75,
+        {"ratio": 2.25, "of_bound": 0.9, "of_bound_trajectories": 0.75, "of_cores_bound": None,
          "of_bound_noise_limit": 1.2, "of_bound_trajectories_noise_limit": 1.0}
+
+
+# the machine's CPU: samples of (wall ms, busy CPU seconds since boot); here two cores, busy 1.5 of them from 1 s on
+SAMPLES = [(0, 100.0), (1000, 100.5), (2000, 102.0), (3000, 103.5)]
+
+
+def test_cpu_between_interpolates_inside_the_samples_and_counts_overlapping_intervals_once():
+    assert cpu_between(SAMPLES, [(1000, 3000)]) == pytest.approx(3.0)
+    assert cpu_between(SAMPLES, [(1500, 2500)]) == pytest.approx(1.5)
+    assert cpu_between(SAMPLES, [(0, 2000), (1000, 2000)]) == pytest.approx(2.0)
+
+
+def test_cpu_outside_the_samples_is_unknown_not_zero():
+    assert cpu_between(SAMPLES, [(2500, 3500)]) is None
+    assert cpu_between([], [(0, 1000)]) is None
+    assert stage_cpu(SAMPLES, [(2500, 3500)], tokens=10, cores=2) == {"cpu_busy": None, "cpu_s_per_token": None}
+
+
+def test_a_stage_s_cpu_is_the_share_of_the_cores_busy_and_cpu_seconds_per_trained_token():
+    figures = stage_cpu(SAMPLES, [(1000, 2000), (2000, 3000)], tokens=600, cores=2)
+    assert figures["cpu_busy"] == pytest.approx(0.75) and figures["cpu_s_per_token"] == pytest.approx(0.005)
+
+
+def test_the_cores_bound_is_what_the_cores_allow_when_both_stages_spend_their_own_cpu_per_token():
+    # 4 ms of CPU per token to roll out, 1 ms to train: two cores can train at most 2 / 0.005 = 400 tokens/s
+    assert cores_bound(0.004, 0.001, cores=2) == pytest.approx(400.0)
+    assert cores_bound(None, 0.001, cores=2) is None
+
+
+def test_async_is_measured_against_the_lower_of_the_stages_bound_and_the_cores_bound():
+    alone = {"bound_tokens_per_s": 5.0, "bound_trajectories_per_s": 2.0, "cores_bound_tokens_per_s": 4.0}
+    result = comparison({"trained_tokens_per_s": 2.0}, {"trained_tokens_per_s": 3.0, "trajectories_per_s": 1.0}, alone)
+    assert result["of_bound"] == pytest.approx(0.6) and result["of_cores_bound"] == pytest.approx(0.75)
+    alone["cores_bound_tokens_per_s"] = 10.0
+    result = comparison({"trained_tokens_per_s": 2.0}, {"trained_tokens_per_s": 3.0, "trajectories_per_s": 1.0}, alone)
+    assert result["of_cores_bound"] == pytest.approx(0.6)
