@@ -49,6 +49,14 @@ learner) / bound (`noise_limit`) unless an asynchronous step beat every step mea
 the stages alone were not measured in the asynchronous mode's conditions: the bound does not hold.
 The benchmark says which of the two it is whenever async / bound exceeds 1 (`bound_warnings`); it
 never clamps the figure.
+
+The cores. That bound takes each stage's rate on the whole machine; where both stages share one
+machine's cores (here), overlapping them gains nothing once the cores are full. So the machine's busy
+CPU seconds are sampled through every run, and each window (a mode's, a stage's measured steps alone)
+gets the share of the cores busy and CPU seconds per trained token (`stage_cpu`). The cores' estimate
+is cores / (rollout's + learner's CPU seconds per token alone): the rate at which both stages'
+CPU, as each spent it alone, fits in the cores (`cores_bound`). An estimate, not a bound by
+construction: a stage's CPU per token can change beside the other.
 """
 
 from __future__ import annotations

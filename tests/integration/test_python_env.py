@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from env_workers.envs import registry
 from env_workers.envs.base import EnvSettings, Status, assistant_call
 from env_workers.envs.python_env import PythonEnvironment, make
+from env_workers.envs.python_runner import EMPTY_OUTPUT
 from env_workers.sandbox import SandboxSettings
 from env_workers.sandbox.base import TRUNCATION_NOTE
 from pipeline.cli import env as env_cmd
@@ -84,7 +85,10 @@ def test_a_fork_bomb_and_escaped_background_processes_are_contained_and_cleaned_
         "import subprocess\nfor _ in range(10000):\n    subprocess.Popen(['sleep', '600'], start_new_session=True)",
         "print('alive')",
     ])
-    assert outputs[0].startswith(("BlockingIOError", "TimeoutError")), outputs[0]
+    # The bomb's children print their own tracebacks into the one stderr, so its last line is whichever child
+    # wrote last (a clean clone's run under Docker ended on "Traceback (most recent call last):"); what must
+    # hold is that the runner reported (the bomb was contained) and the code did not succeed.
+    assert outputs[0] not in ("", EMPTY_OUTPUT) and "sandbox was reset" not in outputs[0], outputs[0]
     assert outputs[1].startswith(("BlockingIOError", "TimeoutError")), outputs[1]
     assert "alive" in outputs[2] or "sandbox was reset" in outputs[2]
 
