@@ -23,7 +23,7 @@ from pipeline.dispatch.logic import (
     position_of,
     slot_at,
 )
-from pipeline.run.config import ConfigError, RollstreamConfig, load_config, write_config
+from pipeline.run.config import REPO_ROOT, ConfigError, RollstreamConfig, load_config, write_config
 from pipeline.run.plan import env_worker_children
 from pipeline.run.study import (
     VARIANTS,
@@ -115,6 +115,15 @@ def test_the_ablation_variants_switch_what_the_paper_switches():
     assert variant_config(RollstreamConfig(), "no-task-norm", 0).streams.task_adv_norm is False
     assert variant_config(RollstreamConfig(), "no-cross", 0).streams.stale_ratio == 0
     assert variant_config(RollstreamConfig(), "trajectory-mix", 0).streams.routing_mode == "trajectory"
+
+
+def test_the_ablation_configuration_is_make_runs_with_fewer_held_out_calc_samples():
+    # the study's figures stand for make run's configuration only while nothing else differs
+    ablation = load_config(REPO_ROOT / "configs" / "ablation.yaml").as_data()
+    cpu = load_config(REPO_ROOT / "configs" / "cpu.yaml").as_data()
+    assert ablation["mix"].pop("val_samples") == {"calc": 100, "os": 4, "db": 4}
+    assert cpu["mix"].pop("val_samples")["calc"] == 200
+    assert ablation == cpu
 
 
 def test_an_unknown_variant_is_refused_in_one_line_with_exit_2():
