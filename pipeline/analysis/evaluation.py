@@ -12,7 +12,11 @@ Used by the run report (pipeline/analysis/report.py) and by `rollstream eval`.
 - Before/after compares the first and the last validation round of each task. Both rounds evaluate
   the same held-out samples (the first `val_samples` of the split), so the comparison is paired: per
   sample, the change of its success share (successes / repeats); the verdict asks whether the 95%
-  interval of the mean change excludes zero. Pairing is the right analysis and the more powerful one:
+  interval of the mean change excludes zero and the paired sign-flip test agrees (p < 0.05). The
+  interval is the normal approximation of the mean, which overclaims when few samples changed (five
+  samples up and none down of a hundred give an interval above zero; their signs alone are a coin
+  tossed five times, p = 2/32); the sign-flip test (Fisher's randomization test for paired data) is
+  exact whatever the number of samples that changed. Pairing is the right analysis and the more powerful one:
   the n repeats of a sample are not independent episodes (a sample the policy cannot solve fails in
   all of them), which the per-round Wilson intervals ignore, and a sample's difficulty cancels out of
   its own change. With fewer than MIN_PAIRED_SAMPLES paired samples (the normal approximation of the
@@ -24,7 +28,9 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 from pipeline.policy.demonstrations import FULL_CREDIT
@@ -39,7 +45,8 @@ MAX_ROUND = 10_000
 MIN_PAIRED_SAMPLES = 30
 VERDICT_CRITERION = ("improved / worse: the 95% interval of the change in success, paired per held-out sample "
                      "between the first and the last validation round (mean over samples of the change of the "
-                     f"sample's success share), lies above / below zero; with fewer than {MIN_PAIRED_SAMPLES} "
+                     "sample's success share), lies above / below zero and the paired sign-flip test of that "
+                     f"change gives p < 0.05; with fewer than {MIN_PAIRED_SAMPLES} "
                      "samples in both rounds, the rounds' 95% Wilson intervals are disjoint instead; otherwise "
                      "no clear change (two-proportion z-test p-value of the episodes shown beside)")
 
@@ -178,24 +185,62 @@ def paired_change(before: Sequence[Trajectory], after: Sequence[Trajectory],
     """The change of success between two rounds, paired per sample ((split, sample_index)) evaluated in both:
     {"samples", "mean", "ci95": [lo, hi], "up", "down"}; mean = the mean over samples of (after share - before
     share), a share being successes / episodes of that sample in that round; the interval is the normal
-    approximation of that mean (sample std, ddof 1); up / down count the samples that rose / fell.
+    approximation of that mean (sample std, ddof 1); up / down count the samples that rose / fell;
+    p_sign_flip is the exact paired sign-flip test's two-sided p-value (sign_flip_p_value).
     None with fewer than two paired samples (no spread to measure)."""
-    def shares(trajs: Sequence[Trajectory]) -> dict[tuple[str, int], float]:
+    def shares(trajs: Sequence[Trajectory]) -> dict[tuple[str, int], Fraction]:
         counts: dict[tuple[str, int], list[int]] = {}
         for t in trajs:
             c = counts.setdefault((t["split"], t["sample_index"]), [0, 0])
             c[0] += is_success(t)
             c[1] += 1
-        return {key: wins / n for key, (wins, n) in counts.items()}
+        return {key: Fraction(wins, n) for key, (wins, n) in counts.items()}
 
     b, a = shares(before), shares(after)
-    changes = [a[key] - b[key] for key in sorted(b.keys() & a.keys())]
-    if len(changes) < 2:
+    exact = [a[key] - b[key] for key in sorted(b.keys() & a.keys())]
+    if len(exact) < 2:
         return None
+    changes = [float(c) for c in exact]
     mean = statistics.fmean(changes)
     half = _z(confidence) * statistics.stdev(changes) / math.sqrt(len(changes))
     return {"samples": len(changes), "mean": mean, "ci95": [mean - half, mean + half],
-            "up": sum(c > 0 for c in changes), "down": sum(c < 0 for c in changes)}
+            "up": sum(c > 0 for c in changes), "down": sum(c < 0 for c in changes),
+            "p_sign_flip": sign_flip_p_value(exact)}
+
+
+def sign_flip_p_value(changes: Sequence[Fraction]) -> float:
+    """Two-sided p-value of the paired sign-flip (randomization) test that the mean change is zero (Fisher
+    1935): with no change, each sample's change was as likely to come out with the other sign, so p is the
+    share of the 2^n sign assignments whose sum is at least as far from zero as the one observed. Exact:
+    the changes are fractions (differences of success shares), so the sums are counted over the integers
+    of their common denominator. Samples that did not change have no sign and count for nothing."""
+    nonzero = [c for c in changes if c != 0]
+    if not nonzero:
+        return 1.0
+    denominator = math.lcm(*(c.denominator for c in nonzero))
+    steps = [abs(c.numerator) * (denominator // c.denominator) for c in nonzero]
+    observed = abs(sum(c.numerator * (denominator // c.denominator) for c in nonzero))
+    sums = Counter({0: 1})
+    for step in steps:  # the distribution of the signed sum, one sample at a time
+        grown: Counter[int] = Counter()
+        for total, ways in sums.items():
+            grown[total + step] += ways
+            grown[total - step] += ways
+        sums = grown
+    return sum(ways for total, ways in sums.items() if abs(total) >= observed) / 2 ** len(steps)
+
+
+def paired_decision(change: Mapping[str, Any], alpha: float = 0.05) -> str | None:
+    """"improved" / "worse" when the paired change's interval lies above / below zero and its sign-flip test
+    agrees (p < alpha; a change recorded before the test existed is judged by its interval alone); else None."""
+    lo, hi = change["ci95"]
+    p = change.get("p_sign_flip")
+    agrees = p is None or p < alpha
+    if lo > 0 and agrees:
+        return "improved"
+    if hi < 0 and agrees:
+        return "worse"
+    return None
 
 
 def _pairs_decide(change: Mapping[str, Any] | None) -> bool:
@@ -210,11 +255,14 @@ def _interval_gap(before: Mapping[str, Any], after: Mapping[str, Any]) -> tuple[
 
 def verdict(before: Mapping[str, Any], after: Mapping[str, Any] | None,
             change: Mapping[str, Any] | None = None) -> str:
-    """improved / worse when the paired change's 95% interval excludes zero (at least MIN_PAIRED_SAMPLES
-    samples), else when the two rounds' 95% intervals are disjoint; otherwise no clear change."""
+    """improved / worse when the paired change's 95% interval excludes zero and its sign-flip test agrees
+    (at least MIN_PAIRED_SAMPLES samples), else when the two rounds' 95% intervals are disjoint; otherwise
+    no clear change."""
     if after is None:
         return "not evaluated after training"
-    lo, hi = change["ci95"] if _pairs_decide(change) else _interval_gap(before, after)
+    if _pairs_decide(change):
+        return paired_decision(change) or "no clear change"
+    lo, hi = _interval_gap(before, after)
     if lo > 0:
         return "improved"
     if hi < 0:

@@ -360,15 +360,28 @@ def _sentence(task: str, row: Mapping[str, Any]) -> str:
                 "no later round to compare with yet.")
     if row.get("criterion") == "paired change":
         change = row["change"]
+        lo, hi = change["ci95"]
+        p = change.get("p_sign_flip")
+        flip = "" if p is None else f" (sign-flip p = {p:.2g})"
+        if row["verdict"] in ("improved", "worse"):
+            judged = f"; the interval excludes zero and the sign-flip test agrees{flip}"
+        elif lo > 0 or hi < 0:
+            judged = (f"; the interval excludes zero but the sign-flip test does not{flip}: too few samples "
+                      "changed to tell it from the noise")
+        else:
+            judged = "; the interval includes zero, so it is not clearly outside the noise"
         why = (f"paired over its {change['samples']} held-out samples the change is {format_change(change)} "
-               f"({change['up']} samples rose, {change['down']} fell)"
-               + ("; the interval excludes zero" if row["verdict"] in ("improved", "worse")
-                  else "; the interval includes zero, so it is not clearly outside the noise"))
+               f"({change['up']} samples rose, {change['down']} fell){judged}")
     else:
         why = ("the 95% intervals are disjoint" if row["intervals_disjoint"]
                else "the 95% intervals overlap, so by this criterion it is not clearly outside the noise")
     return (f"- **{task}**: {row['verdict']}: {_cell(before)} → {_cell(after)}; {why} "
             f"(z-test p = {row['p_value']:.2g}).")
+
+
+def _p_sign_flip(change: Mapping[str, Any] | None) -> str:
+    p = (change or {}).get("p_sign_flip")
+    return "—" if p is None else f"{p:.2g}"
 
 
 def format_change(change: Mapping[str, Any] | None) -> str:
@@ -410,8 +423,9 @@ def _evaluation_section(tasks: Mapping[str, Mapping[str, Any]], val: Sequence[Ev
     evaluated = {task: row for task, row in tasks.items() if row["before"] is not None}
     if evaluated:
         lines += _table(["task", "before: round: successes/episodes = rate [95% CI]", "after",
-                         "change, paired per sample [95% CI]", "z-test p", "verdict"],
+                         "change, paired per sample [95% CI]", "sign-flip p", "z-test p", "verdict"],
                         [[task, _cell(r["before"]), _cell(r["after"]), format_change(r.get("change")),
+                          _p_sign_flip(r.get("change")),
                           "—" if r["p_value"] is None else f"{r['p_value']:.2g}", r["verdict"]]
                          for task, r in evaluated.items()])
     lines += [_sentence(task, row) for task, row in tasks.items()] or ["_No trajectories in this run yet._"]

@@ -5,9 +5,10 @@ paired `change` with `mean` and `ci95`) and computes, per variant and task famil
 improved or got worse outside the noise and the mean change over seeds; draws one PNG figure.
 `rollstream study` (pipeline/run/study.py) runs the study and writes what this computes.
 
-A seed counts as improved when its paired change's 95% interval lies above zero (worse: below), the
-interval each run's report gives. A seed whose run failed, or whose report has no paired change for
-a family (a single validation round, fewer than two paired samples), does not count for that family.
+A seed counts as improved when its paired change's 95% interval lies above zero and the paired sign-flip
+test agrees (worse: below), the rule each run's report judges by (pipeline/analysis/evaluation.py). A seed
+whose run failed, or whose report has no paired change for a family (a single validation round, fewer than
+two paired samples), does not count for that family.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from pipeline.analysis.evaluation import paired_decision
 
 RunRecord = Mapping[str, Any]
 """One run of a study: {"variant", "seed", "run"} and either "summary" (its summary.json) or "error"."""
@@ -35,16 +38,17 @@ def seed_changes(runs: Sequence[RunRecord], variant: str) -> dict[str, list[dict
             if change is None:
                 continue
             out.setdefault(family, []).append({"seed": record["seed"], "run": record["run"], "mean": change["mean"],
-                                               "ci95": list(change["ci95"]), "samples": change.get("samples")})
+                                               "ci95": list(change["ci95"]), "samples": change.get("samples"),
+                                               "p_sign_flip": change.get("p_sign_flip")})
     return out
 
 
 def family_result(changes: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """One family of one variant: seeds, seeds_improved (95% interval above zero), seeds_worse (below),
+    """One family of one variant: seeds, seeds_improved (evaluation.paired_decision), seeds_worse,
     mean_change (mean over seeds of the change's mean; None without a seed) and the per-seed changes."""
     return {"seeds": len(changes),
-            "seeds_improved": sum(c["ci95"][0] > 0 for c in changes),
-            "seeds_worse": sum(c["ci95"][1] < 0 for c in changes),
+            "seeds_improved": sum(paired_decision(c) == "improved" for c in changes),
+            "seeds_worse": sum(paired_decision(c) == "worse" for c in changes),
             "mean_change": statistics.fmean(c["mean"] for c in changes) if changes else None,
             "changes": [dict(c) for c in changes]}
 

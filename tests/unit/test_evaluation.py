@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -13,7 +14,9 @@ from pipeline.analysis.evaluation import (
     MIN_PAIRED_SAMPLES,
     is_success,
     paired_change,
+    paired_decision,
     repeat_table,
+    sign_flip_p_value,
     success_by_task,
     termination_shares,
     two_proportion_p_value,
@@ -189,3 +192,34 @@ def test_only_samples_evaluated_in_both_rounds_are_paired() -> None:
     assert change["samples"] == 2 and change["down"] == 1 and change["mean"] == pytest.approx(-0.5)
     assert paired_change(before[:1], after) is None  # no pair: nothing to measure
     assert MIN_PAIRED_SAMPLES > change["samples"]
+
+
+def test_five_samples_up_and_none_down_of_a_hundred_is_no_clear_change_though_the_interval_excludes_zero() -> None:
+    # The normal interval of the mean change lies above zero, but five signs are five coin tosses: p = 2/32.
+    before, after = [0] * 100, [1] * 5 + [0] * 95
+    row = before_after(paired_rounds("db", before, after))["db"]
+    change = row["change"]
+    assert change["ci95"][0] > 0 and (change["up"], change["down"]) == (5, 0)
+    assert change["p_sign_flip"] == pytest.approx(2 / 32)
+    assert row["criterion"] == "paired change" and row["verdict"] == "no clear change"
+
+
+def test_the_sign_flip_p_value_counts_every_sign_assignment_exactly() -> None:
+    quarter = Fraction(1, 4)
+    assert sign_flip_p_value([]) == 1.0 and sign_flip_p_value([Fraction(0)] * 3) == 1.0
+    # +1/4, +1/4, +1/2 (sum 1): of the 8 assignments, +-1 only when all signs agree: 2/8
+    assert sign_flip_p_value([quarter, quarter, 2 * quarter]) == pytest.approx(2 / 8)
+    # +1/2, -1/4: sums +-1/4 and +-3/4; |sum| >= 1/4 always
+    assert sign_flip_p_value([2 * quarter, -quarter]) == 1.0
+    # shares of different repeats (thirds and halves) share a denominator: +1/3, +1/2 -> 2/4 reach |5/6|
+    assert sign_flip_p_value([Fraction(1, 3), Fraction(1, 2)]) == pytest.approx(2 / 4)
+    # ten samples all up: 2 / 2^10
+    assert sign_flip_p_value([quarter] * 10) == pytest.approx(2 / 1024)
+
+
+def test_a_change_both_the_interval_and_the_sign_flip_test_see_is_improved_or_worse() -> None:
+    assert paired_decision({"ci95": [0.01, 0.2], "p_sign_flip": 0.001}) == "improved"
+    assert paired_decision({"ci95": [-0.2, -0.01], "p_sign_flip": 0.001}) == "worse"
+    assert paired_decision({"ci95": [0.01, 0.2], "p_sign_flip": 0.06}) is None
+    assert paired_decision({"ci95": [-0.01, 0.2], "p_sign_flip": 0.001}) is None
+    assert paired_decision({"ci95": [0.01, 0.2]}) == "improved"  # recorded before the test existed

@@ -13,8 +13,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
+from pipeline.analysis.evaluation import before_after
 from pipeline.analysis.report import (
     ReportSettings,
+    _sentence,
     build_report,
     group_staleness,
     learner_series,
@@ -311,6 +313,22 @@ def test_summary_table_shows_each_task_with_its_interval_and_verdict(full_report
     assert "r0: 2/20 = 10.0% [2.8, 30.1]" in text and "r2: 18/20 = 90.0% [69.9, 97.2]" in text
     assert "improved" in text and "no clear change" in text
     assert " pts [" in text and " samples)" in text  # the paired change beside the rounds
+
+
+def test_a_change_the_interval_sees_and_the_sign_flip_test_does_not_is_reported_as_too_few_samples_changed() -> None:
+    def round_of(epoch: int, wins: list[int]) -> list[dict[str, Any]]:
+        trajs = []
+        for sample, won in enumerate(wins):
+            gid = group_id("r", "db", "dev", sample, epoch)
+            trajs.append({"trajectory_id": trajectory_id("r", gid, 0), "run": "r", "group_id": gid, "member": 0,
+                          "task": "db", "split": "dev", "sample_index": sample, "validation": True,
+                          "status": "completed", "env_reward": float(won), "reward": float(won)})
+        return trajs
+
+    row = before_after(round_of(0, [0] * 100) + round_of(1, [1] * 5 + [0] * 95))["db"]
+    sentence = _sentence("db", row)
+    assert row["verdict"] == "no clear change"
+    assert "the interval excludes zero but the sign-flip test does not (sign-flip p = 0.062)" in sentence
 
 
 def test_report_help_shows_an_example() -> None:

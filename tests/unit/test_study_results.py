@@ -68,10 +68,21 @@ def test_seeds_count_as_improved_or_worse_only_when_their_interval_excludes_zero
     assert (calc["seeds"], calc["seeds_improved"], calc["seeds_worse"]) == (3, 2, 0)
     assert calc["mean_change"] == pytest.approx(0.2)
     assert [c["seed"] for c in calc["changes"]] == [0, 1, 2]
-    assert calc["changes"][0] == {"seed": 0, "run": "st-base-s0", "mean": 0.2, "ci95": [0.05, 0.35], "samples": 10}
+    assert calc["changes"][0] == {"seed": 0, "run": "st-base-s0", "mean": 0.2, "ci95": [0.05, 0.35], "samples": 10,
+                                  "p_sign_flip": None}
     db = results["base"]["db"]  # seed 2 has no paired change for db: it does not count
     assert (db["seeds"], db["seeds_improved"], db["seeds_worse"]) == (2, 0, 1)
     assert db["mean_change"] == pytest.approx(-0.15)
+
+
+def test_a_seed_whose_interval_excludes_zero_but_whose_sign_flip_test_does_not_is_not_counted_improved():
+    few_changed = _summary(calc=(0.05, 0.01, 0.09))
+    few_changed["tasks"]["calc"]["change"]["p_sign_flip"] = 0.0625  # five samples up, none down
+    agreed = _summary(calc=(0.05, 0.01, 0.09))
+    agreed["tasks"]["calc"]["change"]["p_sign_flip"] = 0.01
+    calc = aggregate([_record("base", 0, few_changed), _record("base", 1, agreed)], ["base"])["base"]["calc"]
+    assert (calc["seeds"], calc["seeds_improved"], calc["seeds_worse"]) == (2, 1, 0)
+    assert [c["p_sign_flip"] for c in calc["changes"]] == [0.0625, 0.01]
 
 
 def test_a_failed_run_is_left_out_of_its_variants_results_and_listed_as_failed():
