@@ -14,7 +14,7 @@ from pipeline.cli.engine import Pool
 from pipeline.cli.env_worker import parse_engines
 from pipeline.cli.toolkit import ConfigOption, fail
 from pipeline.run.config import load_config, write_private
-from pipeline.run.plan import PROCESSES, Placement, process_child
+from pipeline.run.plan import PROCESSES, Placement, process_child, with_run_config
 
 
 Process = enum.Enum("Process", {name.replace("-", "_"): name for name in PROCESSES}, type=str)
@@ -71,6 +71,8 @@ def process(
         child = process_child(cfg, name, run_dir, model_dir, placement)
     except ValueError as error:
         fail(str(error))
+    if "--config" not in child.argv:  # the dispatcher's already reads the run's whole configuration
+        child = with_run_config(child, cfg, run_dir)
     argv = list(child.argv) + list(extra)
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]

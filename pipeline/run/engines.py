@@ -12,8 +12,8 @@ import psutil
 
 from pipeline.engine.cpus import AUTO, engine_cpu_sets
 from pipeline.engine.launch import EngineProcess, free_port, launch_engine
-from pipeline.run.config import REPO_ROOT, RollstreamConfig
-from pipeline.run.plan import engine_args
+from pipeline.run.config import REPO_ROOT, RollstreamConfig, write_config
+from pipeline.run.plan import engine_args, run_config_path
 from pipeline.run.supervision import RunFailed, Stack
 from streams.routing import stale_schedule
 
@@ -22,9 +22,13 @@ def launch_run_engine(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir:
                       port: int | None = None, extra_args: tuple[str, ...] = (),
                       metrics_port: int | None = None, cpus: str = AUTO) -> EngineProcess:
     """One engine of the run, launched as the run's configuration says (not yet serving); its supervisor
-    serves Prometheus metrics on `metrics_port` (default: a free port), its vLLM worker binds to `cpus`."""
+    serves Prometheus metrics on `metrics_port` (default: a free port), its vLLM worker binds to `cpus`. It reads
+    the run's whole configuration from the run's settings (plan.run_config_path), not from the environment alone."""
+    config = run_config_path(run_dir)
+    write_config(cfg, config)
     return launch_engine(pool=pool, model_dir=model_dir, run=run, work_dir=run_dir / "engines", port=port,
-                         engine_id=engine_id, extra_args=engine_args(cfg) + extra_args, cwd=REPO_ROOT,
+                         engine_id=engine_id, extra_args=("--config", str(config), *engine_args(cfg), *extra_args),
+                         cwd=REPO_ROOT,
                          bind_host=cfg.engines.bind_host, advertise_host=cfg.engines.advertise_host,
                          nice=cfg.engines.nice, metrics_port=metrics_port or free_port(), cpus=cpus)
 

@@ -104,9 +104,24 @@ def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
                  restart_args=() if resume else ("--resume",))
 
 
+def run_config_path(run_dir: Path) -> Path:
+    """The run's whole configuration as `up` resolved it (YAML file and environment), for the processes that
+    read it (`--config`): one that built it from the environment alone would miss what the run's file set,
+    and could even reject it (ROLLSTREAM_MAX_STEPS=72 of a file whose val_interval is 24, against the
+    default val_interval of 25)."""
+    return run_dir / "settings" / "config.json"
+
+
+def with_run_config(child: Child, cfg: RollstreamConfig, run_dir: Path) -> Child:
+    """The child reading the run's whole configuration (run_config_path) instead of the environment alone."""
+    path = run_config_path(run_dir)
+    return replace(child, argv=child.argv + ("--config", str(path)),
+                   files={**child.files, str(path): settings_json(cfg, cfg.as_data())})
+
+
 def dispatcher_child(cfg: RollstreamConfig, run: str, run_dir: Path) -> Child:
     # The whole configuration: the broker, and the environments' settings that size each split.
-    config_path = run_dir / "settings" / "config.json"
+    config_path = run_config_path(run_dir)
     mix = cfg.mix
     argv = ["--run", run, "--config", str(config_path),
             "--families", ",".join(mix.families), "--max-groups", str(UNBOUNDED_GROUPS),

@@ -43,6 +43,7 @@ from pipeline.run.plan import (
     streams_app_id,
     streams_child,
     with_metrics_port,
+    with_run_config,
 )
 from pipeline.run.policy import ensure_policy
 from pipeline.run.supervision import RunFailed, Stack
@@ -108,13 +109,14 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
         view = RunView(run)
         follower = RunFollower(cfg.kafka, view, since_ms=int(started * 1000) - 5000)
         follower.start()
-        children = [streams_child(cfg, run, run_dir, free_port()),
+        children = [with_run_config(child, cfg, run_dir) for child in (
+                    streams_child(cfg, run, run_dir, free_port()),
                     *env_worker_children(cfg, run, run_dir, model_dir, urls, cfg.envs),
                     # Port 0: the learner picks free ports as each weight-sync group forms. A port picked here
                     # stayed unbound for a minute and its neighbour (the stale pool's) was never checked; one
                     # was taken (make run stalled: the stale engine sat in a join that could not complete).
-                    learner_child(cfg, run, run_dir, model_dir, urls, 0),
-                    dispatcher_child(cfg, run, run_dir)]
+                    learner_child(cfg, run, run_dir, model_dir, urls, 0))]
+        children.append(dispatcher_child(cfg, run, run_dir))  # already reads the run's configuration
         for child, port in zip(children, free_ports(len(children)), strict=True):
             stack.start(with_metrics_port(child, port))
         say(f"started: {', '.join(c.child.name for c in stack.children)}; training for {cfg.max_steps} steps")

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pipeline.policy.loading as loading
 import pipeline.run.engines as engines
 from pipeline.engine.server import vllm_command
-from pipeline.run.config import RollstreamConfig
+from pipeline.run.config import RollstreamConfig, load_config
 
 
 def test_the_served_name_becomes_vllms_served_model_name_and_none_leaves_vllms_default():
@@ -39,3 +39,13 @@ def test_an_engine_restarted_on_a_later_version_keeps_the_runs_model_id_and_its_
     assert extra[extra.index("--served-name") + 1] == "/models/policy"
     assert extra[extra.index("--initial-version") + 1] == "19"
     assert launched["cpus"] == "1"
+
+
+def test_an_engine_of_a_run_reads_the_runs_whole_configuration(monkeypatch, tmp_path: Path):
+    launched = {}
+    monkeypatch.setattr(engines, "launch_engine", lambda **kwargs: launched.update(kwargs))
+    cfg = RollstreamConfig(max_steps=48, mix={"val_interval": 24})  # not what the environment alone gives
+    engines.launch_run_engine(cfg, "r", tmp_path, Path("/models/policy"), "current", "r.current-0")
+    extra = launched["extra_args"]
+    path = Path(extra[extra.index("--config") + 1])
+    assert load_config(path) == cfg

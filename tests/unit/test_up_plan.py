@@ -20,7 +20,8 @@ from pipeline import cli
 from pipeline.run.config import REPO_ROOT, RollstreamConfig, load_config, write_config, write_private
 from pipeline.dispatch.sources import parse_limit, parse_sources
 from pipeline.run.plan import (Child, dispatcher_child, engine_args, env_worker_children, final_validation_round,
-                              learner_child, rollstream, command, streams_child, with_metrics_port)
+                              learner_child, rollstream, command, streams_child, with_metrics_port,
+                              with_run_config)
 from streams.settings import StreamsSettings
 
 URLS = {"current": ["http://127.0.0.1:8001", "http://127.0.0.1:8002"], "stale": ["http://127.0.0.1:8003"]}
@@ -210,3 +211,22 @@ def test_dispatcher_reads_the_runs_whole_configuration_so_its_split_sizes_are_th
     read = load_config(path)
     assert read.envs == sized.envs and read.kafka == sized.kafka
     assert [s.count for s in parse_sources("calc:rl", "train", envs=read.envs)] == [321]
+
+
+def test_a_child_reads_the_runs_whole_configuration_so_an_override_of_the_file_does_not_break_it(tmp_path,
+                                                                                                 monkeypatch):
+    # configs/tiers.yaml sets val_interval 24; ROLLSTREAM_MAX_STEPS=72 over it is a valid run, while the
+    # environment alone (val_interval's default 25) is not: every child must read the run's file.
+    monkeypatch.setenv("ROLLSTREAM_MAX_STEPS", "72")
+    cfg = load_config(REPO_ROOT / "configs" / "tiers.yaml")
+    assert (cfg.max_steps, cfg.mix.val_interval) == (72, 24)
+    with pytest.raises(Exception, match="multiple of mix.val_interval"):
+        load_config()
+    children = [streams_child(cfg, "r1", tmp_path, 6070),
+                *env_worker_children(cfg, "r1", tmp_path, tmp_path / "model", URLS, cfg.envs),
+                learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555)]
+    for child in (with_run_config(c, cfg, tmp_path) for c in children):
+        _parse(child)
+        path = Path(child.argv[child.argv.index("--config") + 1])
+        write_private(path, child.files[str(path)])
+        assert load_config(path) == cfg, child.name
