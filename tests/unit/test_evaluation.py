@@ -223,3 +223,16 @@ def test_a_change_both_the_interval_and_the_sign_flip_test_see_is_improved_or_wo
     assert paired_decision({"ci95": [0.01, 0.2], "p_sign_flip": 0.06}) is None
     assert paired_decision({"ci95": [-0.01, 0.2], "p_sign_flip": 0.001}) is None
     assert paired_decision({"ci95": [0.01, 0.2]}) == "improved"  # recorded before the test existed
+
+
+def test_the_sign_flip_test_of_many_samples_of_varying_repeats_is_quick_and_agrees_with_the_exact_count() -> None:
+    import time
+    # 1,000 samples, repeats 1-8 (common denominator 840): the exact count would take minutes.
+    changes = [Fraction((i % 3) - 1 + (i % 7 == 0), 1 + i % 8) for i in range(1000)]
+    started = time.perf_counter()
+    p = sign_flip_p_value(changes)
+    assert time.perf_counter() - started < 1.0 and 0.0 <= p <= 1.0
+    # Where both apply, the approximation is close to the count: 60 samples of quarters, 20 up more than down.
+    quarters = [Fraction(1, 4)] * 40 + [Fraction(-1, 4)] * 20
+    exact = sign_flip_p_value(quarters)
+    assert exact == pytest.approx(math.erfc(20 / math.sqrt(2 * 60)), abs=0.01)
