@@ -71,8 +71,7 @@ def process(
         child = process_child(cfg, name, run_dir, model_dir, placement)
     except ValueError as error:
         fail(str(error))
-    if "--config" not in child.argv:  # the dispatcher's already reads the run's whole configuration
-        child = with_run_config(child, cfg, run_dir)
+    child = with_run_config(child, cfg, run_dir)
     argv = list(child.argv) + list(extra)
     if metrics_port is not None:
         argv += ["--metrics-port", str(metrics_port), "--metrics-host", metrics_host]

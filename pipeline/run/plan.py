@@ -113,7 +113,10 @@ def run_config_path(run_dir: Path) -> Path:
 
 
 def with_run_config(child: Child, cfg: RollstreamConfig, run_dir: Path) -> Child:
-    """The child reading the run's whole configuration (run_config_path) instead of the environment alone."""
+    """The child reading the run's whole configuration (run_config_path) instead of the environment alone;
+    a child that already does is returned as it is."""
+    if "--config" in child.argv:
+        return child
     path = run_config_path(run_dir)
     return replace(child, argv=child.argv + ("--config", str(path)),
                    files={**child.files, str(path): settings_json(cfg, cfg.as_data())})

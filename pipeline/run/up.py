@@ -115,8 +115,8 @@ def run_up(cfg: RollstreamConfig, run: str, *, console: Console, live: bool = Tr
                     # Port 0: the learner picks free ports as each weight-sync group forms. A port picked here
                     # stayed unbound for a minute and its neighbour (the stale pool's) was never checked; one
                     # was taken (make run stalled: the stale engine sat in a join that could not complete).
-                    learner_child(cfg, run, run_dir, model_dir, urls, 0))]
-        children.append(dispatcher_child(cfg, run, run_dir))  # already reads the run's configuration
+                    learner_child(cfg, run, run_dir, model_dir, urls, 0),
+                    dispatcher_child(cfg, run, run_dir))]
         for child, port in zip(children, free_ports(len(children)), strict=True):
             stack.start(with_metrics_port(child, port))
         say(f"started: {', '.join(c.child.name for c in stack.children)}; training for {cfg.max_steps} steps")
