@@ -155,6 +155,19 @@ def make_micro_batches(
     return micro_batches
 
 
+def split_updates(items: Sequence[BatchItem], updates: int) -> list[list[BatchItem]]:
+    """The batch's items in `updates` consecutive runs (learner.updates_per_batch), their sizes differing by at
+    most one (the first runs take the extra items). Consecutive, so that a group's trajectories, which a batch holds
+    together, mostly land in one run and still share their prompt there."""
+    if not 1 <= updates <= len(items):
+        raise ValueError(f"cannot split a batch of {len(items)} trajectories into {updates} updates")
+    size, extra = divmod(len(items), updates)
+    bounds = [0]
+    for index in range(updates):
+        bounds.append(bounds[-1] + size + (1 if index < extra else 0))
+    return [list(items[start:end]) for start, end in zip(bounds, bounds[1:])]
+
+
 def rank_share(micro_batches: int, world: int, rank: int) -> list[tuple[int, float]]:
     """(micro-batch index, loss weight) that `rank` of `world` trains: its round-robin share,
     padded with a weight-0 repeat so that every rank runs ceil(micro_batches / world) backward

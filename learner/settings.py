@@ -60,6 +60,12 @@ class LearnerSettings(BaseModel):
     is_cap: float = Field(2.0, gt=1)
     """C of tis (weight <= C) and icepop (kept where 1/C <= rho <= C): the TIS blog's C = 2 (IcePop's band is
     a setting of its own there; here it is [1/C, C])."""
+    updates_per_batch: int = Field(1, ge=1)
+    """Optimizer steps per batch: its trajectories are split, in batch order, into this many mini-batches of nearly
+    equal size, and each mini-batch is one clipped update against the rollout's log-probs (and the proximal ones, for
+    the corrections: recomputed once, before the first update), as verl's ppo_mini_batch_size (train_batch_size /
+    ppo_mini_batch_size updates) and AReaL's ppo_n_minibatches split a batch. One weight version per batch whatever
+    this is. 1 (ours, as before this setting): one step per batch; the paper does not state its value."""
     grad_clip: float = Field(1.0, gt=0)
     """Max global gradient norm, AgentRL's (verl's) 1.0."""
     compute_dtype: Precision = "float32"

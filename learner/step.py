@@ -40,7 +40,7 @@ import torch
 
 from learner import sao
 from learner.loss import dis_policy_loss, next_token_logits, policy_loss, token_entropy, token_logprobs
-from learner.microbatch import BatchItem, MicroBatch, make_micro_batches, rank_share
+from learner.microbatch import BatchItem, MicroBatch, make_micro_batches, rank_share, split_updates
 from learner.settings import LearnerSettings
 from schemas.precision import host_cpu_flags, learner_dtype
 
@@ -117,7 +117,8 @@ def train_step(
     critic: sao.Critic | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict[str, float]:
-    """One optimizer step on a whole batch; returns actor/* metrics, grad norm, tokens, timings.
+    """One batch's optimizer steps (one, or `updates_per_batch` on its mini-batches); returns actor/* metrics
+    (token-means over the batch), grad norm (the updates' mean), tokens, timings.
 
     batch_items are (input_ids, loss_mask, rollout_logprobs, advantage) per trajectory; with SAO
     (settings.advantage_estimator "sao", which needs `critic`) the last is the trajectory's reward,
@@ -128,61 +129,81 @@ def train_step(
         raise ValueError("advantage_estimator sao needs the critic (learner/sao.py make_critic)")
     if settings.sao and sync is not None:
         raise ValueError("advantage_estimator sao trains its critic in one process; run the learner without torchrun")
-    # --- plan: micro-batches by token budget; the token-mean divides by the batch's action tokens ---
+    # --- plan: the batch in `updates_per_batch` consecutive mini-batches, one optimizer step each, each mini-batch in
+    # micro-batches by token budget; an update's token-mean divides by its own mini-batch's action tokens ---
     # Shared prompts run once per micro-batch in one process; torchrun's DDP/FSDP wrappers expect one forward per
     # backward, and SAO's critic reads every position's features.
     share_prompts = settings.share_prompts and sync is None and critic is None
-    micro_batches: list[MicroBatch] = make_micro_batches(batch_items, settings.max_tokens_per_micro_batch,
-                                                         share_prompts=share_prompts)
-    global_action_tokens = sum(mb.action_tokens for mb in micro_batches)
+    updates: list[list[MicroBatch]] = [
+        make_micro_batches(part, settings.max_tokens_per_micro_batch, share_prompts=share_prompts)
+        # A batch smaller than updates_per_batch (a filtered, short one) takes one update per trajectory.
+        for part in split_updates(batch_items, min(settings.updates_per_batch, len(batch_items)))
+    ]
+    update_tokens = [sum(mb.action_tokens for mb in micro_batches) for micro_batches in updates]
+    global_action_tokens = sum(update_tokens)
     if global_action_tokens == 0:
         raise ValueError("the batch has no action tokens to train on")
     world, rank = (sync.world, sync.rank) if sync is not None else (1, 0)
-    share = rank_share(len(micro_batches), world, rank)
+    shares_of = [rank_share(len(micro_batches), world, rank) for micro_batches in updates]
+    device = _device_of(model)
 
     # --- phase 1: reference log-probs (frozen initial policy) of this rank's micro-batches, no graph kept ---
     started = clock()
-    ref_logprobs = _logprobs_without_graph(ref_model, [micro_batches[index] for index, _ in share], settings,
-                                       _device_of(model))
+    ref_logprobs = [_logprobs_without_graph(ref_model, [micro_batches[index] for index, _ in share], settings, device)
+                    for micro_batches, share in zip(updates, shares_of, strict=True)]
     ref_done = clock()
 
     # --- phase 1b (decoupled, corrections): the actor's own log-probs before this step changes it, no graph ---
-    # Only the optimizer step after the last micro-batch moves the weights, so this is pi_prox for every micro-batch.
-    prox_logprobs: list[torch.Tensor | None] = [None] * len(share)
-    if settings.needs_prox_logprobs:
-        prox_logprobs = list(_logprobs_without_graph(model, [micro_batches[index] for index, _ in share], settings,
-                                                 _device_of(model)))
+    # Recomputed once, before the first update moves the weights: pi_prox of every micro-batch of every update.
+    prox_logprobs: list[list[torch.Tensor | None]] = [
+        list(_logprobs_without_graph(model, [micro_batches[index] for index, _ in share], settings, device))
+        if settings.needs_prox_logprobs else [None] * len(share)
+        for micro_batches, share in zip(updates, shares_of, strict=True)
+    ]
     prox_done = clock()
 
-    # --- phase 2: actor forward/backward per micro-batch, gradients accumulate; only the last backward syncs ---
+    # --- phases 2-3, once per update: actor forward/backward per micro-batch, gradients accumulating (only the last
+    # backward syncs); the metrics summed over ranks; clip and step (on identical gradients), free the gradients ---
     model.train()
-    optimizer.zero_grad(set_to_none=True)
     critic_batch: list[_CriticData] = []  # SAO: each micro-batch's action tokens, for phase 4
-    shares = _accumulate_gradients(model, micro_batches, share, ref_logprobs, prox_logprobs, global_action_tokens,
-                                   settings, sync, world, critic, critic_batch)
-
-    # --- phase 3: metrics summed over ranks, then clip and step (on identical gradients), free the gradients ---
-    names = sorted(shares)
-    # Each share is already divided by the batch's action tokens, so their sum is the token-mean.
-    totals = torch.stack([torch.stack(shares[name]).sum() for name in names])  # (M,)
-    if sync is not None:
-        sync.sum_over_ranks(totals)
-    grad_norm_value, step_skipped, lr = _clip_and_step(optimizer, settings)
+    metrics_of_batch: dict[str, float] = defaultdict(float)
+    grad_norms: list[float] = []
+    steps_skipped, lr = 0, warmup_lr(settings, steps_taken(optimizer))
+    for micro_batches, share, ref_lp, prox_lp, tokens in zip(updates, shares_of, ref_logprobs, prox_logprobs,
+                                                             update_tokens, strict=True):
+        if tokens == 0:
+            continue  # a mini-batch without action tokens has no gradient (every rank skips it alike)
+        optimizer.zero_grad(set_to_none=True)
+        shares = _accumulate_gradients(model, micro_batches, share, ref_lp, prox_lp, tokens, settings, sync, world,
+                                       critic, critic_batch)
+        names = sorted(shares)
+        # Each share is already divided by the mini-batch's action tokens, so their sum is its token-mean.
+        totals = torch.stack([torch.stack(shares[name]).sum() for name in names])  # (M,)
+        if sync is not None:
+            sync.sum_over_ranks(totals)
+        grad_norm_value, step_skipped, lr = _clip_and_step(optimizer, settings)
+        grad_norms.append(grad_norm_value)
+        steps_skipped += step_skipped
+        # The batch's metrics are the updates' token-means weighted by their tokens: the batch's token-mean.
+        weight = tokens / global_action_tokens
+        for name, value in zip(names, totals, strict=True):
+            metrics_of_batch[name] += float(value) * weight
     actor_done = clock()
 
-    # --- phase 4 (SAO): the critic's updates on the batch's features and GAE returns, after the actor's step ---
+    # --- phase 4 (SAO): the critic's updates on the batch's features and GAE returns, after the actor's steps ---
     critic_metrics = _train_critic(critic, critic_batch, settings) if critic is not None else {}
     critic_done = clock()
 
-    result = {name: float(value) for name, value in zip(names, totals, strict=True)}
+    result = dict(metrics_of_batch)
     result.update(
         {
-            "actor/grad_norm": grad_norm_value,
-            "actor/step_skipped": float(step_skipped),
+            "actor/grad_norm": sum(grad_norms) / len(grad_norms),  # the updates' mean; one update: its norm
+            "actor/step_skipped": float(steps_skipped),
+            "actor/updates": float(len(grad_norms)),
             "actor/lr": lr,
             "actor/action_tokens": float(global_action_tokens),
-            "actor/tokens": float(sum(int(mb.attention_mask.sum()) for mb in micro_batches)),
-            "actor/micro_batches": float(len(micro_batches)),
+            "actor/tokens": float(sum(int(mb.attention_mask.sum()) for mbs in updates for mb in mbs)),
+            "actor/micro_batches": float(sum(len(mbs) for mbs in updates)),
             "timing/ref_s": ref_done - started,
             "timing/actor_s": actor_done - prox_done,
         }

@@ -60,6 +60,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "decoupled-tis": {"learner": {"policy_loss": "decoupled", "is_correction": "tis"}},  # AReaL + weight min(rho, 2)
     "icepop": {"learner": {"is_correction": "icepop"}},  # tokens whose rho leaves [0.5, 2] masked
     "ipa": {"learner": {"is_level": "chunk"}},  # ROLL's IPA: ratios per assistant turn
+    # three PPO updates per batch (learner.updates_per_batch): a 6-group batch as three mini-batches of two groups
+    "updates-3": {"learner": {"updates_per_batch": 3}},
     # SAO (seed 000 §7.1, ARCHITECTURE.md "SAO"): one sample per task, the learner's critic and skip-observation
     # GAE, DIS-gated actor. 48 single-trajectory groups per batch: the trajectories configs/cpu.yaml's 6 groups of
     # 8 give; critic_lr for its 256-wide policy over 24 steps (verl's 1e-5 barely moves a linear head that narrow)

@@ -162,6 +162,62 @@ def test_shared_prompts_give_the_step_of_whole_rows(policy_loss):
         assert torch.allclose(got, want, rtol=1e-3, atol=1e-8)
 
 
+def test_updates_per_batch_step_on_consecutive_mini_batches_as_separate_steps_would():
+    # Two updates on a batch of three groups: the weights of one step on its first six trajectories, then one on the
+    # other six, and the batch's metrics are the updates' token-means weighted by their action tokens.
+    model = tiny_model()
+    items = group_batch(model, groups=3, members=4)
+    one = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=10_000)
+    two = one.model_copy(update={"updates_per_batch": 2})
+
+    split = copy.deepcopy(model)
+    optimizer = make_optimizer(split, two)
+    metrics = train_step(split, copy.deepcopy(model), optimizer, items, two)
+    apart = copy.deepcopy(model)
+    apart_optimizer = make_optimizer(apart, one)
+    first = train_step(apart, copy.deepcopy(model), apart_optimizer, items[:6], one)
+    second = train_step(apart, copy.deepcopy(model), apart_optimizer, items[6:], one)
+
+    assert (metrics["actor/updates"], steps_taken(optimizer)) == (2, 2)
+    for got, want in zip(split.parameters(), apart.parameters(), strict=True):
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-6)
+    tokens = (first["actor/action_tokens"], second["actor/action_tokens"])
+    assert metrics["actor/action_tokens"] == sum(tokens)
+    for name in ("actor/loss", "actor/pg_loss", "actor/ppo_kl", "actor/kl_loss"):
+        weighted = (first[name] * tokens[0] + second[name] * tokens[1]) / sum(tokens)
+        assert metrics[name] == pytest.approx(weighted, rel=1e-4, abs=1e-7), name
+    assert metrics["actor/grad_norm"] == pytest.approx((first["actor/grad_norm"] + second["actor/grad_norm"]) / 2)
+
+
+def test_the_proximal_log_probs_of_every_update_come_from_the_weights_before_the_first(monkeypatch):
+    import learner.step as step
+
+    model = tiny_model()
+    settings = LearnerSettings(lr=1e-3, max_tokens_per_micro_batch=10_000, policy_loss="decoupled",
+                               updates_per_batch=3)
+    optimizer = make_optimizer(model, settings)
+    actor_passes: list[int] = []  # optimizer steps taken when each pass over the actor's own log-probs ran
+    recompute = step._logprobs_without_graph
+
+    def recorded(policy, *args, **kwargs):
+        if policy is model:
+            actor_passes.append(steps_taken(optimizer))
+        return recompute(policy, *args, **kwargs)
+
+    monkeypatch.setattr(step, "_logprobs_without_graph", recorded)
+    train_step(model, copy.deepcopy(model), optimizer, group_batch(model, groups=3, members=4), settings)
+    assert actor_passes == [0, 0, 0] and steps_taken(optimizer) == 3
+
+
+def test_a_batch_smaller_than_updates_per_batch_takes_one_update_per_trajectory(settings):
+    model = tiny_model()
+    items = on_policy_batch(model, [1.0, -1.0])
+    many = settings.model_copy(update={"updates_per_batch": 5})
+    optimizer = make_optimizer(model, many)
+    assert train_step(model, copy.deepcopy(model), optimizer, items, many)["actor/updates"] == 2
+    assert steps_taken(optimizer) == 2
+
+
 def test_settings_are_frozen_and_reject_unknown_fields():
     settings = LearnerSettings()
     assert (settings.lr, settings.clip_ratio_c, settings.kl_coef, settings.temperature) == (1e-6, 3.0, 1e-4, 0.8)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from learner.microbatch import collate, make_micro_batches, plan_micro_batches
+from learner.microbatch import collate, make_micro_batches, plan_micro_batches, split_updates
 
 
 def item(n: int, actions: slice = slice(None), advantage: float = 1.0):
@@ -93,3 +93,12 @@ def test_shared_prompts_pack_one_prompt_per_micro_batch_and_mark_its_shared_pref
     # Rows share the prompt; the prefix stops one short of it, where the logits predict the first action token.
     assert prefix == {(0, 2): 4, (1, 3): 3, (4,): 0}
     assert all(mb.prefix_len == 0 for mb in make_micro_batches(items, 10_000))
+
+
+def test_updates_split_the_batch_in_order_into_runs_differing_by_at_most_one():
+    items = [(np.zeros(4, np.int32), np.zeros(4, np.uint8), np.zeros(4, np.float32), float(i)) for i in range(7)]
+    runs = split_updates(items, 3)
+    assert [[item[3] for item in run] for run in runs] == [[0, 1, 2], [3, 4], [5, 6]]
+    assert split_updates(items, 1) == [items]
+    with pytest.raises(ValueError, match="cannot split a batch of 7 trajectories into 8 updates"):
+        split_updates(items, 8)

@@ -146,7 +146,7 @@ def test_an_unknown_variant_is_refused_in_one_line_with_exit_2():
     assert result.output.strip().splitlines() == [
         "rollstream study: unknown variant nope; variants: base, no-task-norm, no-cross, trajectory-mix, "
         "variance-filter, erpo-norm, fifo-window, positive-first, turn-schedule, cispo, decoupled-tis, icepop, ipa, "
-        "sao, float32, bfloat16"]
+        "updates-3, sao, float32, bfloat16"]
 
 
 def test_environment_variables_that_would_override_the_study_are_named():
