@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.analysis import evaluation
 from pipeline.analysis.evaluation import (
     before_after,
     dedup,
@@ -225,14 +226,20 @@ def test_a_change_both_the_interval_and_the_sign_flip_test_see_is_improved_or_wo
     assert paired_decision({"ci95": [0.01, 0.2]}) == "improved"  # recorded before the test existed
 
 
-def test_the_sign_flip_test_of_many_samples_of_varying_repeats_is_quick_and_agrees_with_the_exact_count() -> None:
+def test_the_sign_flip_test_of_many_samples_of_varying_repeats_is_quick_and_agrees_with_the_exact_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     import time
     # 1,000 samples, repeats 1-8 (common denominator 840): the exact count would take minutes.
     changes = [Fraction((i % 3) - 1 + (i % 7 == 0), 1 + i % 8) for i in range(1000)]
     started = time.perf_counter()
     p = sign_flip_p_value(changes)
     assert time.perf_counter() - started < 1.0 and 0.0 <= p <= 1.0
-    # Where both apply, the approximation is close to the count: 60 samples of quarters, 20 up more than down.
+    # Where both apply, the approximation is close to the count once continuity-corrected (the sums lie two
+    # quarters apart, so |sum| >= 20 quarters begins at 19): 60 samples of quarters, 20 up more than down; exact
+    # 0.0135, corrected 0.0142, uncorrected 0.0098.
     quarters = [Fraction(1, 4)] * 40 + [Fraction(-1, 4)] * 20
     exact = sign_flip_p_value(quarters)
-    assert exact == pytest.approx(math.erfc(20 / math.sqrt(2 * 60)), abs=0.01)
+    assert exact == pytest.approx(math.erfc(19 / math.sqrt(2 * 60)), abs=0.001)
+    assert exact > math.erfc(20 / math.sqrt(2 * 60)) + 0.003  # uncorrected, the approximation claims too much
+    monkeypatch.setattr(evaluation, "EXACT_SIGN_FLIP_WORK", 0)  # the approximation's branch on the same changes
+    assert sign_flip_p_value(quarters) == pytest.approx(exact, abs=0.001)
