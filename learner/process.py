@@ -214,9 +214,11 @@ def export_step(step: int, version: int, m: Mapping[str, float]) -> None:
 def progress_line(step: int, version: int, m: Mapping[str, float]) -> str:
     """The one-line summary of a step shown on stderr."""
     lag = m.get("rollout/behaviour_lag")
+    updates = int(m.get("actor/updates", 1))  # learner.updates_per_batch: the norm is their mean
     return (f"step {step} v{version} pg_loss {m['actor/pg_loss']:+.4f} clipfrac {m['actor/pg_clipfrac']:.3f} "
             f"ppo_kl {m['actor/ppo_kl']:+.2e} kl {m['actor/kl_loss']:.2e} ent {m['actor/entropy']:.3f} "
-            f"gnorm {m['actor/grad_norm']:.3f} {m['perf/tokens_per_s']:.0f} tok/s "
+            f"gnorm {m['actor/grad_norm']:.3f}{f' ({updates} updates)' if updates > 1 else ''} "
+            f"{m['perf/tokens_per_s']:.0f} tok/s "
             f"wait {m['timing/wait_s']:.2f}s ref {m['timing/ref_s']:.2f}s actor {m['timing/actor_s']:.2f}s "
             f"publish {m['timing/publish_s']:.2f}s lag {'-' if lag is None else int(lag)}")
 

@@ -284,3 +284,13 @@ def test_a_bfloat16_step_keeps_float32_weights_and_moves_them_as_the_float32_ste
         moved[dtype] = torch.cat([(a - b).flatten() for a, b in zip(actor.parameters(), model.parameters())])
     # Autocast changes the products' rounding, not the step: both move the weights the same way.
     assert torch.nn.functional.cosine_similarity(moved["float32"], moved["bfloat16"], dim=0) > 0.9
+
+
+def test_the_progress_line_names_the_updates_of_a_step_that_took_several():
+    from learner.process import progress_line
+
+    metrics = {"actor/pg_loss": 0.0, "actor/pg_clipfrac": 0.0, "actor/ppo_kl": 0.0, "actor/kl_loss": 0.0,
+               "actor/entropy": 0.1, "actor/grad_norm": 0.5, "perf/tokens_per_s": 100.0, "timing/wait_s": 0.0,
+               "timing/ref_s": 0.1, "timing/actor_s": 0.2, "timing/publish_s": 0.3}
+    assert "gnorm 0.500 100 tok/s" in progress_line(1, 1, metrics | {"actor/updates": 1.0})
+    assert "gnorm 0.500 (3 updates) 100 tok/s" in progress_line(1, 1, metrics | {"actor/updates": 3.0})
