@@ -16,6 +16,8 @@
    has advantage 0); the std is trajectory-weighted, of the raw rewards, `std` kind as above.
 4. Positive-only (StreamsSettings.positive_only_steps): A~ = max(A, 0), the batch's final
    advantage clipped below at 0, so only better-than-baseline trajectories are reinforced.
+5. Per-family scale (StreamsSettings.task_advantage_scale, rollstream's): A~ = s_task * A~, last, so
+   a family's policy-gradient step is s_task times what the rules above give it (1 where not named).
 
 Degenerate token sets (documented choice, not from the paper): a task with fewer than two action
 tokens has no Bessel std (torch would return nan); we define the std of zero or one token as 0,
@@ -28,7 +30,7 @@ std 0, and final advantages 0 (they multiply no token anyway).
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -182,17 +184,21 @@ def batch_advantages(
     normalize: bool = True,
     adv_norm: AdvNorm = "group",
     positive_only: bool = False,
+    task_scale: Mapping[Hashable, float] | None = None,
 ) -> tuple[np.ndarray, dict[Hashable, TaskStats]]:
     """A batch's final advantages and per-task stats: task normalization of the GRPO advantages
-    (adv_norm "group"), or ERPO from the rewards, then max(A, 0) when positive_only. The "before"
-    stats describe the GRPO advantages, the "after" ones the final advantages, token-weighted."""
+    (adv_norm "group"), or ERPO from the rewards, then max(A, 0) when positive_only, then each
+    task's advantages times task_scale[task] (1 for a task not in it). The "before" stats describe
+    the GRPO advantages, the "after" ones the final advantages, token-weighted."""
     final, stats = task_normalize_counts(group_advantages, task_ids, token_counts, std, eps, normalize)
-    if adv_norm == "group" and not positive_only:
+    scales = np.array([(task_scale or {}).get(task, 1.0) for task in task_ids], dtype=np.float64)
+    if adv_norm == "group" and not positive_only and np.all(scales == 1.0):
         return final, stats  # AgentRL's rule, untouched
     if adv_norm == "erpo":
         final = erpo_advantages(rewards, group_ids, task_ids, std, eps)
     if positive_only:
         final = np.maximum(final, 0.0)
+    final = final * scales
     counts = np.asarray(token_counts, dtype=np.float64)
     for task, idx in _members(task_ids).items():
         mean_after, std_after = weighted_mean_std(final[idx], counts[idx], std)

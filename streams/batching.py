@@ -21,8 +21,9 @@ construction options"), in the order a cut applies them:
    plan, so they never take a fresh group's place (`split_by_window`);
 2. RAGEN's variance filter (`variance_filter_keep`): of the planned groups only the fraction of
    largest reward std is trained (`variance_filter`);
-3. ERPO normalization (`adv_norm`) and the positive-only start (`positive_only_steps`) change the
-   advantages of the batch, not its groups (`build_batch`, streams/advantages.py).
+3. ERPO normalization (`adv_norm`), the positive-only start (`positive_only_steps`) and the
+   per-family scale (`task_advantage_scale`) change the advantages of the batch, not its groups
+   (`build_batch`, streams/advantages.py).
 A dropped group is still consumed by the cut (never offered again) and reported with a
 `streams/group_dropped` metric (`dropped_metric`), which releases it at the dispatcher as an
 aggregator's drop does; groups stay whole throughout.
@@ -177,14 +178,16 @@ def build_batch(run: str, index: int, credit_version: int, groups: Sequence[Mapp
     """The batches event (schemas/avro/batch.avsc): unmasked members with their GRPO advantage
     and their final advantage after per-task token-weighted normalization (tasks sorted by name),
     or, with settings.task_adv_norm off, the GRPO advantage unchanged; with settings.adv_norm
-    "erpo" the ERPO advantage instead, and in the first positive_only_steps batches max(A, 0)."""
+    "erpo" the ERPO advantage instead, and in the first positive_only_steps batches max(A, 0); each
+    family's advantages then times its settings.task_advantage_scale."""
     members = [m for g in groups for m in trainable_members(g)]
     tasks: list[Hashable] = [m["trajectory"]["task"] for m in members]
     group_adv = [m["advantage"] for m in members]
     final, stats = batch_advantages(
         group_adv, [m["trajectory"]["reward"] for m in members], [m["trajectory"]["group_id"] for m in members],
         tasks, [action_tokens(m["trajectory"]) for m in members], std=settings.std, eps=settings.eps,
-        normalize=settings.task_adv_norm, adv_norm=settings.adv_norm, positive_only=index < settings.positive_only_steps)
+        normalize=settings.task_adv_norm, adv_norm=settings.adv_norm, positive_only=index < settings.positive_only_steps,
+        task_scale=settings.task_advantage_scale)
     group_ids = [g["group_id"] for g in groups]
     return {
         "batch_id": batch_id(run, group_ids),

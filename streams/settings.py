@@ -25,7 +25,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, field_validator, model_validator
 
 from schemas.prometheus import MetricsHost, MetricsPort
 
@@ -161,6 +161,12 @@ class StreamsSettings(BaseModel):
     positive_only_steps: int = Field(0, ge=0)
     """Positive-only curriculum, as the issue describes it: batches 0 .. N-1 (the first N learner steps, one
     step per batch) train only on the positive part of each final advantage, max(A, 0). 0 (default): off."""
+    task_advantage_scale: dict[str, PositiveFloat] = {}
+    """rollstream: a per-family step size for the policy gradient, TASK: s. Each batch item of task family TASK
+    has its final advantage (after the normalization and the positive-only start) multiplied by s, so that a
+    family the shared policy already solves can take smaller steps than one it is learning (s < 1), or a
+    lagging family larger ones (s > 1); the KL term is not scaled. Families not named keep 1. Empty (default):
+    every family's advantage as AgentRL computes it."""
     turn_schedule: tuple[TurnStage, ...] = ()
     """ScalingInter-RL from AgentGym-RL (Xi et al. 2025, arXiv 2509.08755): the training turn budget is raised in
     stages, e.g. ((0, 8), (100, 12), (200, 15)): from learner version 0 at most 8 turns, from 100 at most 12,
@@ -194,7 +200,8 @@ class StreamsSettings(BaseModel):
         # With advantage "none" the learner computes the advantages; a streams-side rule on them would be lost.
         if self.advantage == "none":
             rules = [name for name, on in (("adv_norm erpo", self.adv_norm == "erpo"),
-                                           ("positive_only_steps", self.positive_only_steps > 0)) if on]
+                                           ("positive_only_steps", self.positive_only_steps > 0),
+                                           ("task_advantage_scale", bool(self.task_advantage_scale))) if on]
             if rules:
                 raise ValueError(f"advantage none leaves the advantages to the learner: {', '.join(rules)} cannot apply")
         return self

@@ -226,6 +226,11 @@ class RollstreamConfig(BaseSettings):
                              f"{'none' if self.learner.sao else 'group'!r} (it is {self.streams.advantage!r}): SAO's "
                              f"learner computes the advantages from the rewards, any other learner trains on the "
                              f"batch's")
+        trained = {entry.partition(":")[0] for entry in self.mix.families}
+        unknown = sorted(set(self.streams.task_advantage_scale) - trained)
+        if unknown:
+            raise ValueError(f"streams.task_advantage_scale names {', '.join(unknown)}, not among mix.families "
+                             f"({', '.join(sorted(trained))}): a scale for a family never trained would do nothing")
         if self.mix.val_families and self.max_steps % self.mix.val_interval:
             raise ValueError(f"max_steps ({self.max_steps}) must be a multiple of mix.val_interval "
                              f"({self.mix.val_interval}) so the run ends with a validation round")

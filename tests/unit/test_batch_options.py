@@ -252,6 +252,49 @@ def test_first_n_batches_train_only_on_the_positive_part_of_each_advantage():
     assert all(s["mean_after"] > 0 for s in early["task_stats"])  # the stats describe what is trained
 
 
+# -- per-family advantage scale ---------------------------------------------------------------
+
+def test_a_family_scale_multiplies_that_familys_final_advantages_after_normalization_and_no_others():
+    groups = [_group("a", [1.0, 0.0, 1.0, 0.2]), _group("b", [0.5, 0.25, 1.0, 0.0], task="db"),
+              _group("c", [0.0, 1.0, 0.0, 0.0], task="db")]
+    plain = build_batch(RUN, 1, 1, groups, S, T0)
+    scaled = build_batch(RUN, 1, 1, groups, S.model_copy(update={"task_advantage_scale": {"db": 0.25}}), T0)
+    for before, after in zip(plain["items"], scaled["items"]):
+        factor = 0.25 if before["trajectory"]["task"] == "db" else 1.0
+        assert after["advantage"] == pytest.approx(factor * before["advantage"])
+        assert after["group_advantage"] == before["group_advantage"]
+    assert any(i["advantage"] != 0 for i in plain["items"] if i["trajectory"]["task"] == "db")
+    stats = {s["task"]: s for s in scaled["task_stats"]}
+    plain_stats = {s["task"]: s for s in plain["task_stats"]}
+    assert stats["db"]["std_after"] == pytest.approx(0.25 * plain_stats["db"]["std_after"])  # what is trained
+    assert stats["os"] == plain_stats["os"] and stats["db"]["std_before"] == plain_stats["db"]["std_before"]
+
+
+def test_the_family_scale_applies_after_the_positive_only_start():
+    settings = S.model_copy(update={"positive_only_steps": 2, "task_advantage_scale": {"os": 3.0}})
+    groups = [_group("a", [1.0, 0.0, 1.0, 0.2])]
+    positive = build_batch(RUN, 1, 1, groups, S.model_copy(update={"positive_only_steps": 2}), T0)
+    both = build_batch(RUN, 1, 1, groups, settings, T0)
+    assert [i["advantage"] for i in both["items"]] == pytest.approx([3.0 * i["advantage"] for i in positive["items"]])
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0])
+def test_a_family_scale_must_be_positive(scale):
+    with pytest.raises(ValidationError, match="greater than 0"):
+        StreamsSettings(task_advantage_scale={"os": scale})
+
+
+def test_a_family_scale_is_refused_when_the_learner_computes_the_advantages():
+    with pytest.raises(ValidationError, match="task_advantage_scale cannot apply"):
+        StreamsSettings(advantage="none", group_size=1, min_members=1, task_advantage_scale={"os": 0.5})
+
+
+def test_a_family_scale_must_name_a_trained_family():
+    RollstreamConfig(mix={"families": ["calc:rl", "os"]}, streams={"task_advantage_scale": {"calc": 0.5}})
+    with pytest.raises(ValidationError, match="names clac, not among mix.families"):
+        RollstreamConfig(mix={"families": ["calc:rl", "os"]}, streams={"task_advantage_scale": {"clac": 0.5}})
+
+
 # -- ScalingInter-RL turn schedule -----------------------------------------------------------
 
 SCHEDULE = ((0, 8), (100, 12), (200, 15))
