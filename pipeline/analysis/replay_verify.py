@@ -48,6 +48,8 @@ class VerifySettings(BaseModel):
     advantage: Advantage = "group"
     """Whether the run's streams computed advantages (`streams.advantage`); "none" (SAO, whose learner computes
     them), every member's and every item's advantage must be 0."""
+    task_advantage_scale: dict[str, float] = {}
+    """Each family's scale of its final advantages (`streams.task_advantage_scale`); families not named 1."""
     logprob_tolerance: float = Field(1e-4, gt=0)
     """Largest accepted difference between the rollout log-probs of two copies of one trajectory: a
     re-rollout repeats every token, but its log-probs come from another engine batch (measured: 5e-7)."""
@@ -393,6 +395,7 @@ def _check_batches(batches: list[Mapping[str, Any]], first_group: Mapping[str, M
         values, stats = task_normalized([i["group_advantage"] for i in items], tasks, tokens, s)
         if not s.task_adv_norm:
             values = np.asarray([i["group_advantage"] for i in items], dtype=np.float64)
+        values = values * np.asarray([s.task_advantage_scale.get(task, 1.0) for task in tasks], dtype=np.float64)
         for item, t, value in zip(items, trajs, values):
             final.checked += 1
             if not _close(item["advantage"], float(value), s.tolerance):

@@ -168,8 +168,8 @@ def replay_verify(
 ) -> None:
     """Recompute a run's GRPO and task-normalized advantages and token invariants from its topics;
     print each check and every mismatch; exit 1 when there is any. Give the run's --config when it
-    turned task normalization off (`streams.task_adv_norm: false`) or left the advantages to the
-    learner (`streams.advantage: none`, SAO).
+    turned task normalization off (`streams.task_adv_norm: false`), scaled a family's advantages
+    (`streams.task_advantage_scale`) or left the advantages to the learner (`streams.advantage: none`, SAO).
 
     Example:
 
@@ -186,7 +186,8 @@ def replay_verify(
     finally:
         progress.close()
     _report_missing_payloads(stats)
-    settings = VerifySettings(std=std, task_adv_norm=cfg.streams.task_adv_norm, advantage=cfg.streams.advantage)
+    settings = VerifySettings(std=std, task_adv_norm=cfg.streams.task_adv_norm, advantage=cfg.streams.advantage,
+                              task_advantage_scale=cfg.streams.task_advantage_scale)
     report = verify(records, settings, run=run, undecodable=stats.undecodable_by_topic)
     if as_json:
         typer.echo(json.dumps(report.as_dict()))

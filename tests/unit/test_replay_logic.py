@@ -140,7 +140,7 @@ def test_report_is_json_serializable_and_says_ok(run):
     data = json.loads(json.dumps(verify(run, run=RUN).as_dict()))
     assert data["ok"] is True and data["mismatches"] == 0
     assert data["settings"] == {"std": "bessel", "eps": 1e-6, "tolerance": 1e-4, "task_adv_norm": True,
-                                "advantage": "group", "logprob_tolerance": 1e-4}
+                                "advantage": "group", "task_advantage_scale": {}, "logprob_tolerance": 1e-4}
     assert data["checks"][0]["name"] == "trajectory_ids_unique"
 
 
@@ -180,6 +180,14 @@ def test_run_without_task_normalization_verifies_only_when_told_so():
     assert failing(plain, VerifySettings(task_adv_norm=False)) == {}
     assert set(failing(plain)) == {"task_normalized_advantages"}
     assert set(failing(synthetic_run(), VerifySettings(task_adv_norm=False))) == {"task_normalized_advantages"}
+
+
+def test_run_with_a_family_scale_verifies_only_when_told_the_scale():
+    scaled = synthetic_run(STREAMS.model_copy(update={"task_advantage_scale": {"db": 0.5}}))
+    assert failing(scaled, VerifySettings(task_advantage_scale={"db": 0.5})) == {}
+    assert set(failing(scaled)) == {"task_normalized_advantages"}
+    assert set(failing(synthetic_run(), VerifySettings(task_advantage_scale={"db": 0.5}))) == {
+        "task_normalized_advantages"}
 
 
 def test_run_whose_streams_left_the_advantages_to_the_learner_verifies_only_when_told_so():
