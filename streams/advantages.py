@@ -191,14 +191,14 @@ def batch_advantages(
     task's advantages times task_scale[task] (1 for a task not in it). The "before" stats describe
     the GRPO advantages, the "after" ones the final advantages, token-weighted."""
     final, stats = task_normalize_counts(group_advantages, task_ids, token_counts, std, eps, normalize)
-    scales = np.array([(task_scale or {}).get(task, 1.0) for task in task_ids], dtype=np.float64)
-    if adv_norm == "group" and not positive_only and np.all(scales == 1.0):
+    if adv_norm == "group" and not positive_only and not task_scale:
         return final, stats  # AgentRL's rule, untouched
     if adv_norm == "erpo":
         final = erpo_advantages(rewards, group_ids, task_ids, std, eps)
     if positive_only:
         final = np.maximum(final, 0.0)
-    final = final * scales
+    if task_scale:
+        final = final * np.array([task_scale.get(task, 1.0) for task in task_ids], dtype=np.float64)
     counts = np.asarray(token_counts, dtype=np.float64)
     for task, idx in _members(task_ids).items():
         mean_after, std_after = weighted_mean_std(final[idx], counts[idx], std)
