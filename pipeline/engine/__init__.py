@@ -9,6 +9,8 @@
 - `updates.py`: the staged path (download a version's shards from MinIO, verify each sha256) and
   the client of the control surface; the pure rule of which versions each pool loads.
 - `heartbeat.py`: probes the server and publishes `engine_heartbeat` events to `engines`.
+- `poll.py`: a vLLM general plugin, loaded in each of vLLM's processes, that makes a CPU engine's engine core
+  and worker sleep between polls of the queues that join them instead of spinning on the shared cores.
 
 Requests in flight during an update FINISH ON THE OLD WEIGHTS. An update closes a gate in front
 of the OpenAI routes (new requests wait at the gate, they are not refused), waits until every

@@ -32,6 +32,7 @@ from pipeline.engine.heartbeat import PROMETHEUS, Heartbeat
 from pipeline.engine.launch import popen_tied, set_session_niceness
 from pipeline.engine.server import API_KEY_ENV, INITIAL_VERSION_ENV, vllm_command
 from pipeline.engine.extension import HOLD_WEIGHTS_ENV
+from pipeline.engine.poll import POLL_SLEEP_ENV
 from pipeline.engine.updates import EngineControl, UpdateRefused, download_links, download_version, newest_to_load
 from pipeline.run.config import RollstreamConfig
 from schemas import objectstore, topics
@@ -53,6 +54,11 @@ their kernel-format copies); by default each is a fresh mmap whose 4 KiB pages t
 touch, and each freed one goes back at once, so every update pays the page faults again. With this the next
 update reuses the memory the last one freed (docs/BENCHMARKS.md, "bench weights": it halved vLLM's reload).
 The cost: the process keeps its peak memory after an update instead of returning to its resting size."""
+
+
+CPU_POLL_SLEEP_S = 0.0002
+"""A CPU engine's sleep between polls (EngineSettings.poll_sleep_s): a step's result is seen at most 0.2 ms late,
+beside steps of 10-30 ms, and a waiting process uses almost no CPU (docs/BENCHMARKS.md, "vLLM's polling")."""
 
 
 class EngineSettings(BaseModel):
@@ -90,6 +96,12 @@ class EngineSettings(BaseModel):
     """GLIBC_TUNABLES of the vLLM server (not in the paper; empty: whatever the environment has). The default keeps
     the memory a weight update frees inside the process, for the next update to reuse, instead of giving every
     large block back to the kernel and faulting it in again page by page (see KEEP_FREED_MEMORY)."""
+    poll_sleep_s: float | None = Field(None, ge=0, lt=1)
+    """Seconds vLLM's engine core and its worker sleep between two polls of the shared-memory queues that join
+    them (not in the paper; pipeline/engine/poll.py). vLLM's own loop yields the core and polls again at once for
+    a second after each message, so each waiting process keeps a share of a core: on a CPU host, taken from the
+    worker's threads, the learner and the other engines. 0 keeps vLLM's loop; None is CPU_POLL_SLEEP_S on a CPU
+    engine and 0 on a GPU."""
     start_timeout_s: float = 600.0
     """How long the server may take to become healthy (about 40-55 s on 2 CPU cores)."""
     metrics_port: MetricsPort = None
@@ -225,9 +237,11 @@ def run_engine(cfg: RollstreamConfig, settings: EngineSettings, job: EngineJob) 
 
 
 def server_environment(inherited: Mapping[str, str], settings: EngineSettings, job: EngineJob,
-                       api_key: SecretStr | None) -> dict[str, str]:
-    """The environment of the job's vLLM server: ours, with its initial version, CPU KV cache and key."""
+                       api_key: SecretStr | None, *, on_gpu: bool = False) -> dict[str, str]:
+    """The environment of the job's vLLM server: ours, with its initial version, CPU KV cache, polling and key."""
     env = {**inherited, INITIAL_VERSION_ENV: str(job.initial_version)}
+    poll_sleep = settings.poll_sleep_s if settings.poll_sleep_s is not None else (0.0 if on_gpu else CPU_POLL_SLEEP_S)
+    env[POLL_SLEEP_ENV] = repr(poll_sleep)
     # The key goes by environment, not --api-key: a command line is readable by every user of the host
     # (/proc/PID/cmdline). The setting alone decides: an inherited VLLM_API_KEY is not used.
     env.pop(API_KEY_ENV, None)
@@ -246,7 +260,7 @@ def start_server(settings: EngineSettings, job: EngineJob, api_key: SecretStr | 
     """vLLM's server for the job, in a session of its own, at this process's niceness; requiring `api_key`
     on its OpenAI routes when one is given."""
     on_gpu = _cuda_available()
-    env = server_environment(os.environ, settings, job, api_key)
+    env = server_environment(os.environ, settings, job, api_key, on_gpu=on_gpu)
     command = vllm_command(str(job.model), host=job.host, port=job.port, max_model_len=settings.max_model_len,
                            dtype=engine_dtype(settings.dtype, on_gpu=on_gpu, flags=host_cpu_flags()),
                            enforce_eager=not on_gpu,

@@ -75,6 +75,10 @@ class EngineFleetSettings(BaseModel):
     """What the engines serve in (not in the paper): None is float32 on a CPU and vLLM's own choice on a GPU;
     bfloat16, or auto (bfloat16 on a CPU with AMX-BF16 or AVX512-BF16), serves faster on such a CPU but a
     re-rollout no longer repeats its log-probs within replay verify's tolerance (schemas/precision.py)."""
+    poll_sleep_s: float | None = Field(None, ge=0, lt=1)
+    """Seconds each engine's vLLM processes sleep between two polls of the queues that join them (not in the paper;
+    pipeline/engine/poll.py): None sleeps 0.2 ms on a CPU engine, whose polling would otherwise keep a share of a
+    core that the learner and the other engines need, and keeps vLLM's own spinning loop on a GPU; 0 keeps it."""
     start_timeout_s: float = Field(600.0, gt=0)
     """How long an engine may take to serve (30-80 s on 2 CPU cores)."""
     bind_host: str = "127.0.0.1"

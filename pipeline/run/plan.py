@@ -147,7 +147,9 @@ def dispatcher_child(cfg: RollstreamConfig, run: str, run_dir: Path) -> Child:
 def engine_args(cfg: RollstreamConfig) -> tuple[str, ...]:
     """Options every engine of the run gets beside its pool, model and port."""
     dtype = ("--dtype", cfg.engines.dtype) if cfg.engines.dtype is not None else ()
-    return ("--stale-step", str(cfg.streams.stale_step), "--max-model-len", str(cfg.engines.max_model_len), *dtype)
+    poll = ("--poll-sleep-s", repr(cfg.engines.poll_sleep_s)) if cfg.engines.poll_sleep_s is not None else ()
+    return ("--stale-step", str(cfg.streams.stale_step), "--max-model-len", str(cfg.engines.max_model_len), *dtype,
+            *poll)
 
 
 def final_validation_round(cfg: RollstreamConfig) -> int | None:

@@ -132,6 +132,12 @@ def test_engines_get_the_stale_step_sequence_limit_and_a_dtype_only_when_one_is_
     assert engine_args(chosen)[-2:] == ("--dtype", "bfloat16")
 
 
+def test_engines_get_a_poll_sleep_only_when_the_configuration_sets_one(cfg):
+    assert "--poll-sleep-s" not in engine_args(cfg)  # each engine then picks its default for its device
+    spinning = cfg.model_copy(update={"engines": cfg.engines.model_copy(update={"poll_sleep_s": 0.0})})
+    assert engine_args(spinning)[-2:] == ("--poll-sleep-s", "0.0")
+
+
 def test_the_run_ends_with_the_validation_round_of_its_last_step(cfg):
     assert final_validation_round(cfg) == cfg.max_steps // cfg.mix.val_interval
 
