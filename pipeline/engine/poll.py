@@ -9,7 +9,8 @@ spare. On a CPU host the worker's threads compute on the same cores, and beside 
 engine every core is taken: a yielding poller is runnable at once again and keeps its share of a core.
 
 With `ROLLSTREAM_ENGINE_POLL_SLEEP_S` set to a positive number, each poll sleeps that long instead, so a waiting
-process uses almost no CPU; a message is seen at most that much later (0.2 ms beside a CPU step of 10-30 ms).
+process stops taking a share of a core (alone, an engine used 49 CPU s instead of 79 in 40 s); a message is seen
+at most that much later (0.2 ms beside a CPU step of 10-30 ms).
 Unset or 0, vLLM's own loop is left as it is. The supervisor sets it from `EngineSettings.poll_sleep_s`.
 """
 
@@ -18,11 +19,12 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Mapping
 
 POLL_SLEEP_ENV = "ROLLSTREAM_ENGINE_POLL_SLEEP_S"
 
 
-def poll_sleep_s(environ: dict[str, str] | os._Environ[str]) -> float:
+def poll_sleep_s(environ: Mapping[str, str]) -> float:
     """The sleep between two polls that the environment asks for; 0 leaves vLLM's loop as it is."""
     raw = environ.get(POLL_SLEEP_ENV, "").strip()
     if not raw:

@@ -58,7 +58,7 @@ The cost: the process keeps its peak memory after an update instead of returning
 
 CPU_POLL_SLEEP_S = 0.0002
 """A CPU engine's sleep between polls (EngineSettings.poll_sleep_s): a step's result is seen at most 0.2 ms late,
-beside steps of 10-30 ms, and a waiting process uses almost no CPU (docs/BENCHMARKS.md, "vLLM's polling")."""
+beside steps of 10-30 ms, and a waiting process stops spinning (docs/BENCHMARKS.md, "vLLM's polling")."""
 
 
 class EngineSettings(BaseModel):
