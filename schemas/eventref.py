@@ -69,6 +69,10 @@ def parse(ref: str) -> tuple[str, int, int]:
     return parts[0], int(parts[1]), int(parts[2])
 
 
+CONSUME_BATCH = 500
+"""The most events one consume() call of EventFetcher asks for."""
+
+
 def ranges(offsets: Iterable[int], max_gap: int = MAX_GAP) -> list[tuple[int, int]]:
     """Sorted offsets as (first, last) ranges, splitting where two are more than max_gap apart:
     reading the events in between is cheaper than a seek up to that gap."""
@@ -220,17 +224,21 @@ class EventFetcher:
         out: dict[str, bytes] = {}
         want = {o for o in keep if first <= o <= last}
         deadline = time.monotonic() + self.timeout_s
+        next_offset = first
         while want:
             if time.monotonic() > deadline:
                 # The watermarks said the partition holds them: slow or absent brokers, not missing events.
                 raise KafkaException(KafkaError(KafkaError._TIMED_OUT, f"{len(want)} events of {topic}[{partition}] "
                                                 f"not read within {self.timeout_s:g} s (first {min(want)})"))
-            for msg in self._consumer.consume(500, 1.0):
+            # consume() returns once it has that many messages or its timeout passed: asked for more than the
+            # range still holds, it waited out the whole second on every range (half a learner's step was spent so).
+            for msg in self._consumer.consume(max(1, min(CONSUME_BATCH, last - next_offset + 1)), 1.0):
                 if msg.error() is not None:
                     if msg.error().code() == KafkaError._PARTITION_EOF:
                         continue
                     raise KafkaException(msg.error())
                 o = msg.offset()
+                next_offset = max(next_offset, o + 1)
                 if o in want:
                     out[uri(topic, partition, o)] = msg.value()
                     want.discard(o)
