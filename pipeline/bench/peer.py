@@ -17,6 +17,13 @@ one invocation, side by side.
 Peak memory is the largest resident set of all processes a side ran at once (polled every second: for
 rollstream every process `rollstream up` started, engines included; for TRL its process). `ratio` = rollstream
 trained tokens/s / TRL trained tokens/s; `differences` lists every setting that could not be matched.
+
+Where the ratio comes from: the machine's busy CPU is sampled through both training windows (the same sampler as
+`bench pipeline`), so each side reports `cpu_busy` (the share of all cores busy over its window) and
+`cpu_s_per_token` (busy CPU seconds per trained token, everything the machine ran: engines, broker, learner).
+On one machine trained tokens/s = cpu_busy x cores / cpu_s_per_token, so `ratio` is exactly the product of
+`cpu_per_token_ratio` (how much less CPU a trained token costs us) and `cpu_busy_ratio` (how much more of the
+cores we keep busy).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from rich.console import Console
 from rich.table import Table
 
 from pipeline.bench import peer_logic
+from pipeline.bench.cpu import MachineCpuSampler
+from pipeline.bench.pipeline_logic import stage_cpu
 from pipeline.run.config import REPO_ROOT, ConfigError, RollstreamConfig, load_config, settings_json
 from pipeline.run.eval import STD, run_eval, validation_sources
 from pipeline.run.up import RunFailed, run_up, timestamped
@@ -130,6 +139,7 @@ def run_rollstream(cfg: RollstreamConfig, run: str, console: Console) -> dict[st
     checkpoint = materialize_version(cfg, run, cfg.max_steps, cfg.policy_dir(), cfg.run_dir(run) / "checkpoints")
     return {**row, "run": run, "checkpoint": str(checkpoint), "engine_busy": figures["engine_busy"],
             "learner_busy": figures["learner_busy"], "mean_staleness": figures["mean_staleness"],
+            "window_ms": [figures["start_ms"], figures["end_ms"]],
             "curve": peer_logic.rollstream_curve(events[topics.BATCHES], events[topics.WEIGHTS], figures["start_ms"])}
 
 
@@ -167,7 +177,7 @@ def run_trl(cfg: RollstreamConfig, shared: dict[str, Any], split: str, work: Pat
                                 steps=result["steps"], wall_s=result["wall_s"], startup_s=result["startup_s"],
                                 peak_memory_bytes=peak.peak)
     return {**row, "checkpoint": result["checkpoint"], "threads": result["threads"], "curve": result["curve"],
-            "step_ends_s": result["step_ends_s"]}
+            "step_ends_s": result["step_ends_s"], "window_ms": result["window_ms"]}
 
 
 def held_out_trajectories(cfg: RollstreamConfig, model_dir: Path, version: int, family: str, samples: int, n: int,
@@ -195,10 +205,14 @@ def run_peer_bench(cfg: RollstreamConfig, family: str, steps: int, samples: int,
     shared = shared_settings(ours_cfg, steps)
     say(f"rollstream: run {run}-rollstream, {family}:{split}, {steps} steps of {shared['prompts_per_step']} prompts "
         f"x {shared['group_size']}")
-    ours = run_rollstream(ours_cfg, f"{run}-rollstream", console)
-    say(f"rollstream: {ours['trained_tokens_per_s']:.1f} trained tokens/s over {ours['wall_s']:.0f} s")
-    peer = run_trl(ours_cfg, shared, split, out_dir / "trl", say)
-    say(f"TRL: {peer['trained_tokens_per_s']:.1f} trained tokens/s over {peer['wall_s']:.0f} s")
+    with MachineCpuSampler() as cpu:
+        ours = run_rollstream(ours_cfg, f"{run}-rollstream", console)
+        ours |= stage_cpu(cpu.samples, [tuple(ours["window_ms"])], ours["trained_tokens"], cpu.cores)
+        say(f"rollstream: {ours['trained_tokens_per_s']:.1f} trained tokens/s over {ours['wall_s']:.0f} s"
+            f"{_cpu_said(ours)}")
+        peer = run_trl(ours_cfg, shared, split, out_dir / "trl", say)
+    peer |= stage_cpu(cpu.samples, [tuple(peer["window_ms"])], peer["trained_tokens"], cpu.cores)
+    say(f"TRL: {peer['trained_tokens_per_s']:.1f} trained tokens/s over {peer['wall_s']:.0f} s{_cpu_said(peer)}")
 
     evals: dict[str, Any] = {}
     for side, model_dir, version in (("before", ours_cfg.policy_dir(), 0),
@@ -224,6 +238,12 @@ def run_peer_bench(cfg: RollstreamConfig, family: str, steps: int, samples: int,
             "figure": str(figure)}
 
 
+def _cpu_said(side: dict[str, Any]) -> str:
+    if side["cpu_busy"] is None or side["cpu_s_per_token"] is None:
+        return ""
+    return f"; cores {side['cpu_busy']:.0%} busy, {side['cpu_s_per_token'] * 1000:.2f} CPU ms per trained token"
+
+
 def print_result(result: dict[str, Any], console: Console) -> None:
     table = Table(title=f"bench peer — {result['family']}:{result['split']}, {result['matched']['steps']} steps "
                         f"({result['wall']})")
@@ -232,11 +252,15 @@ def print_result(result: dict[str, Any], console: Console) -> None:
         table.add_column(column, justify="right")
     rows = [("wall (s)", "wall_s", "{:.0f}"), ("start-up (s)", "startup_s", "{:.0f}"),
             ("trained tokens/s", "trained_tokens_per_s", "{:.1f}"), ("trajectories/s", "trajectories_per_s", "{:.3f}"),
-            ("s per optimizer step", "s_per_step", "{:.1f}"), ("peak memory (MiB)", "peak_memory_bytes", "{:.0f}")]
+            ("s per optimizer step", "s_per_step", "{:.1f}"), ("peak memory (MiB)", "peak_memory_bytes", "{:.0f}"),
+            ("the machine's cores busy", "cpu_busy", "{:.0%}"),
+            ("CPU ms per trained token", "cpu_s_per_token", "{:.2f}")]
     for label, key, fmt in rows:
         values = [result[side][key] for side in ("rollstream", "peer")]
         if key == "peak_memory_bytes":
             values = [v / 2**20 for v in values]
+        elif key == "cpu_s_per_token":
+            values = [v * 1000 if v is not None else None for v in values]
         table.add_row(label, *(fmt.format(v) if v is not None else "-" for v in values))
     held = [result[side]["held_out"] for side in ("rollstream", "peer")]
     table.add_row("held-out before", *(f"{h['before']:.1%}" if h["before"] is not None else "-" for h in held))
@@ -247,6 +271,9 @@ def print_result(result: dict[str, Any], console: Console) -> None:
     console.print(table)
     ratio = result["ratio"]
     console.print(f"ratio (rollstream / TRL trained tokens/s): {ratio:.2f}" if ratio else "ratio: TRL trained nothing")
+    if result["cpu_per_token_ratio"] is not None and result["cpu_busy_ratio"] is not None:
+        console.print(f"  = {result['cpu_per_token_ratio']:.2f} (TRL's CPU per trained token / ours) x "
+                      f"{result['cpu_busy_ratio']:.2f} (our cores busy / TRL's)")
     console.print(f"TRL {result['peer']['trl_version']}: {result['peer']['generation']}")
     console.print("differences:\n" + "\n".join(f"- {d}" for d in result["differences"]))
     console.print(f"learning curves: {result['figure']}")

@@ -116,7 +116,7 @@ def main(spec_path: str) -> None:
             model=spec["model"], args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock],
             environment_factory=lambda: RollstreamCalc(envs, spec["split"], spec["incomplete_punishment"], episodes))
         startup_s = time.monotonic() - begun
-        started = time.monotonic()
+        started, started_ms = time.monotonic(), int(time.time() * 1000)
         trainer.train()
         wall_s = time.monotonic() - started
     save_checkpoint(trainer, Path(spec["model"]), Path(spec["checkpoint"]))
@@ -124,6 +124,7 @@ def main(spec_path: str) -> None:
         "wall_s": wall_s, "startup_s": startup_s, "steps": trainer.state.global_step,
         "trained_tokens": trainer.trained_tokens, "trajectories": trainer.trajectories,
         "step_ends_s": clock.step_ends, "curve": clock.curve, "checkpoint": spec["checkpoint"],
+        "window_ms": [started_ms, started_ms + int(wall_s * 1000)],
         "threads": torch.get_num_threads(), "log_history": trainer.state.log_history}))
 
 

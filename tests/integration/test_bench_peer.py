@@ -55,6 +55,7 @@ def test_both_sides_train_every_step_and_the_comparison_is_computed(infra, tmp_p
         assert row["trajectories"] == STEPS * PROMPTS * GROUP, (side, row)
         assert row["trained_tokens"] > 0 and row["trained_tokens_per_s"] > 0, (side, row)
         assert row["peak_memory_bytes"] > 0 and row["wall_s"] > 0, (side, row)
+        assert 0 < row["cpu_busy"] <= 1.05 and row["cpu_s_per_token"] > 0, (side, row)
         assert [p["step"] for p in row["curve"]] == list(range(1, STEPS + 1)), (side, row["curve"])
         assert (Path(row["checkpoint"]) / "config.json").is_file()
         held = row["held_out"]
@@ -62,6 +63,8 @@ def test_both_sides_train_every_step_and_the_comparison_is_computed(infra, tmp_p
         assert held["change"] is not None and held["change"]["samples"] == SAMPLES
     assert result["ratio"] == pytest.approx(result["rollstream"]["trained_tokens_per_s"]
                                             / result["peer"]["trained_tokens_per_s"])
+    # the ratio's two factors, measured over the same windows, multiply back to it (up to the sampler's edges)
+    assert result["cpu_per_token_ratio"] * result["cpu_busy_ratio"] == pytest.approx(result["ratio"], rel=0.05)
     assert result["matched"]["group_size"] == GROUP and result["matched"]["prompts_per_step"] == PROMPTS
     assert result["differences"][:len(FIXED_DIFFERENCES)] == list(FIXED_DIFFERENCES)
     assert Path(result["figure"]).read_bytes()[:4] == b"\x89PNG"

@@ -14,6 +14,7 @@ from transformers.utils import get_json_schema
 from env_workers.envs import calc, registry
 from env_workers.envs.base import EnvSettings
 from pipeline.bench import peer_logic
+from pipeline.bench.pipeline_logic import stage_cpu
 from pipeline.policy.model_init import CHAT_TEMPLATE, build_tokenizer
 
 SHARED = peer_logic.matched(group_size=8, prompts_per_step=6, max_turns=6, max_new_tokens=256, max_total_len=4096,
@@ -187,6 +188,29 @@ def test_ratio_is_ours_over_theirs_and_held_out_compares_paired_means():
     assert result["held_out_change_difference"] == pytest.approx(0.05)
     assert peer_logic.comparison(ours, {**peer, "trained_tokens_per_s": 0.0}, {"change": None},
                                  {"change": None})["ratio"] is None
+
+
+def test_the_ratio_is_the_product_of_cpu_per_token_and_cores_busy_on_one_machine():
+    cores = 2
+
+    def side(tokens: int, wall_s: float, busy_cpu_s: float) -> dict:
+        samples = [(0, 100.0), (int(wall_s * 1000), 100.0 + busy_cpu_s)]
+        return {**peer_logic.throughput(trained_tokens=tokens, trajectories=48, steps=12, wall_s=wall_s,
+                                        startup_s=0.0, peak_memory_bytes=1),
+                **stage_cpu(samples, [(0, int(wall_s * 1000))], tokens, cores)}
+
+    ours, peer = side(60_000, 110.0, 210.0), side(72_000, 250.0, 480.0)
+    result = peer_logic.comparison(ours, peer, {"change": None}, {"change": None})
+    assert result["cpu_per_token_ratio"] == pytest.approx((480.0 / 72_000) / (210.0 / 60_000))
+    assert result["cpu_busy_ratio"] == pytest.approx((210.0 / 220.0) / (480.0 / 500.0))
+    assert result["ratio"] == pytest.approx(result["cpu_per_token_ratio"] * result["cpu_busy_ratio"])
+
+
+def test_without_cpu_figures_the_ratio_has_no_factors():
+    ours = {"trained_tokens_per_s": 30.0, "trajectories_per_s": 0.3}
+    peer = {"trained_tokens_per_s": 10.0, "trajectories_per_s": 0.2, "cpu_s_per_token": None, "cpu_busy": None}
+    result = peer_logic.comparison(ours, peer, {"change": None}, {"change": None})
+    assert result["cpu_per_token_ratio"] is None and result["cpu_busy_ratio"] is None
 
 
 def test_plot_writes_one_png_with_both_curves(tmp_path):
