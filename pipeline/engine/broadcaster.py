@@ -67,10 +67,17 @@ class PoolBroadcaster:
     api_key: SecretStr | None = field(default=None, repr=False)
     """The engines' API key (agent_loop.engine_api_key): their join and receive routes require it."""
     _group: Any = field(default=None, init=False, repr=False)
+    _controls: list[EngineControl] = field(default_factory=list, init=False, repr=False)
     broken: str | None = field(default=None, init=False)
 
+    def _engines(self) -> list[EngineControl]:
+        """One control client per engine for the broadcaster's life (each holds its HTTP connections)."""
+        if not self._controls:
+            self._controls = [EngineControl(u, timeout_s=self.timeout_s, api_key=self.api_key) for u in self.urls]
+        return self._controls
+
     def _connect(self) -> None:
-        controls = [EngineControl(u, timeout_s=self.timeout_s, api_key=self.api_key) for u in self.urls]
+        controls = self._engines()
         # Every rank must join or the rendezvous waits its whole timeout: an engine that is down
         # (killed, restarting) fails the pool now, and its engines load from MinIO instead.
         down = []
@@ -106,9 +113,8 @@ class PoolBroadcaster:
         # Both sides plan the buckets from the same spec list in the same order: a different order
         # would be a collective size mismatch, which aborts the receiving worker.
         specs = specs_of(tensors)
-        controls = [EngineControl(u, timeout_s=self.timeout_s, api_key=self.api_key) for u in self.urls]
         threads, results = _in_threads([
-            (lambda c=c: c.receive(version, specs, self.bucket_size_bytes, src=0)) for c in controls])
+            (lambda c=c: c.receive(version, specs, self.bucket_size_bytes, src=0)) for c in self._engines()])
         send_buckets(tensors, plan_buckets(specs, self.bucket_size_bytes), src=0,
                      device=torch.device("cpu"), group=self._group)
         for t in threads:

@@ -118,13 +118,14 @@ def test_the_state_route_stays_open_for_probes_and_without_a_key_every_route_is(
 
 
 def test_the_weight_routes_client_sends_the_key(monkeypatch):
-    seen: list[dict] = []
+    seen: list[str | None] = []
+    real_client = httpx.Client
 
-    def post(url: str, **kwargs) -> httpx.Response:
-        seen.append(kwargs["headers"])
+    def answer(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("Authorization"))
         return httpx.Response(200, json={"ok": True, "version": 3})
 
-    monkeypatch.setattr(httpx, "post", post)
+    monkeypatch.setattr(httpx, "Client", lambda **kwargs: real_client(transport=httpx.MockTransport(answer), **kwargs))
     EngineControl("http://engine", api_key=KEY).load(3, Path("/v3"))
     EngineControl("http://engine").load(3, Path("/v3"))
-    assert seen == [{"Authorization": "Bearer s3cret-key"}, {}]
+    assert seen == ["Bearer s3cret-key", None]
