@@ -287,9 +287,6 @@ class EngineControl:
         response.raise_for_status()
         return response.json()
 
-    def close(self) -> None:
-        self._client.close()
-
     def load(self, version: int, directory: Path) -> dict[str, Any]:
         """Loads a verified version directory (staged path)."""
         return self._post("/rollstream/load", {"version": version, "path": str(directory)})
