@@ -193,14 +193,12 @@ def comparison(ours: Mapping[str, Any], peer: Mapping[str, Any], ours_held: Mapp
     """`ratio` (our trained tokens/s over TRL's), its two factors on one machine's cores (`cpu_per_token_ratio`,
     TRL's busy CPU per trained token over ours; `cpu_busy_ratio`, our share of the cores busy over TRL's; None
     where a side's CPU was not measured) and whether our held-out change is at least TRL's (paired means)."""
-    ratio = ours["trained_tokens_per_s"] / peer["trained_tokens_per_s"] if peer["trained_tokens_per_s"] else None
-    a, b = ours_held.get("change"), peer_held.get("change")
-
     def over(x: float | None, y: float | None) -> float | None:
         return x / y if x is not None and y else None
 
-    return {"ratio": ratio, "trajectories_ratio": (ours["trajectories_per_s"] / peer["trajectories_per_s"]
-                                                   if peer["trajectories_per_s"] else None),
+    a, b = ours_held.get("change"), peer_held.get("change")
+    return {"ratio": over(ours["trained_tokens_per_s"], peer["trained_tokens_per_s"]),
+            "trajectories_ratio": over(ours["trajectories_per_s"], peer["trajectories_per_s"]),
             "cpu_per_token_ratio": over(peer.get("cpu_s_per_token"), ours.get("cpu_s_per_token")),
             "cpu_busy_ratio": over(ours.get("cpu_busy"), peer.get("cpu_busy")),
             "held_out_change_at_least_peer": None if a is None or b is None else a["mean"] >= b["mean"],
