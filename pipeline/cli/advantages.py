@@ -29,6 +29,27 @@ def _read(path: Path) -> dict[str, list[Any]]:
     return data
 
 
+def _task_scale(text: str, task_ids: list[Any]) -> dict[Any, float]:
+    """`--task-scale`: TASK=S pairs, each S a positive number and each TASK one of the input's task ids (compared
+    as text: the JSON may hold them as numbers), keyed as the input holds them."""
+    if not text:
+        return {}
+    by_name = {str(task): task for task in task_ids}
+    scales: dict[Any, float] = {}
+    for pair in text.split(","):
+        name, sep, value = pair.partition("=")
+        try:
+            scale = float(value) if sep else float("nan")
+        except ValueError:
+            scale = float("nan")
+        if not scale > 0:  # also NaN
+            fail(f"--task-scale: expected TASK=S with S a positive number, got {pair!r}")
+        if name not in by_name:
+            fail(f"--task-scale names {name!r}, not a task of the input ({', '.join(sorted(by_name))})")
+        scales[by_name[name]] = scale
+    return scales
+
+
 @app.command()
 def advantages(
     input_path: Path = typer.Option(..., "--input", help="JSON object with rewards, group_ids, task_ids, loss_masks."),
@@ -39,6 +60,10 @@ def advantages(
     adv_norm: AdvNorm = typer.Option(StreamsSettings().adv_norm, "--adv-norm", help="group: GRPO's group std "
                                      "(then --task-adv-norm); erpo: (R - group mean) / (std of the task's rewards + "
                                      "eps), with --no-task-adv-norm."),
+    positive_only: bool = typer.Option(False, "--positive-only", help="max(A, 0) after the normalization, as the "
+                                       "batcher's first streams.positive_only_steps batches."),
+    task_scale: str = typer.Option("", "--task-scale", help="TASK=S,...: each named task's final advantages times "
+                                   "S, last (streams.task_advantage_scale); tasks not named 1."),
 ) -> None:
     """Print GRPO advantages, per-task token stats and final advantages as one JSON object.
 
@@ -48,17 +73,21 @@ def advantages(
 
         rollstream advantages --input example.json --adv-norm erpo --no-task-adv-norm
 
+        rollstream advantages --input example.json --task-scale os=0.5
+
     with example.json = {"rewards": [1, 0], "group_ids": [0, 0], "task_ids": ["os", "os"],
     "loss_masks": [[0, 1, 1], [0, 1, 0]]}
     """
     if adv_norm == "erpo" and task_adv_norm:
         fail("--adv-norm erpo replaces the per-task normalization: add --no-task-adv-norm")
     data = _read(input_path)
+    scales = _task_scale(task_scale, data["task_ids"])
     try:
         grpo = grpo_advantages(data["rewards"], data["group_ids"], std=std, eps=eps)
         counts = [int(np.count_nonzero(np.asarray(m))) for m in data["loss_masks"]]  # as task_normalize counts
         final, stats = batch_advantages(grpo, data["rewards"], data["group_ids"], data["task_ids"], counts, std=std,
-                                        eps=eps, normalize=task_adv_norm, adv_norm=adv_norm)
+                                        eps=eps, normalize=task_adv_norm, adv_norm=adv_norm,
+                                        positive_only=positive_only, task_scale=scales)
     except (TypeError, ValueError) as e:
         fail(f"invalid input: {e}")
     task_stats = {str(task): {"mean": s.mean_before, "std": s.std_before, "tokens": s.tokens,

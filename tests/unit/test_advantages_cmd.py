@@ -40,6 +40,34 @@ def test_population_option_reproduces_its_reference(tmp_path):
     assert out["final"] == pytest.approx([1.1180, -0.8944, -0.8944, 1.1180, -0.8165, 1.2247], abs=5e-5)
 
 
+def test_task_scale_multiplies_the_named_tasks_final_advantages_only(tmp_path):
+    plain = json.loads(run(tmp_path, EXAMPLE).stdout)
+    result = run(tmp_path, EXAMPLE, "--task-scale", "1=0.5")
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    tasks = EXAMPLE["task_ids"]
+    assert out["final"] == pytest.approx([f * (0.5 if t == 1 else 1.0) for f, t in zip(plain["final"], tasks)])
+    assert out["grpo"] == plain["grpo"]
+
+
+def test_positive_only_keeps_no_negative_final_advantage(tmp_path):
+    out = json.loads(run(tmp_path, EXAMPLE, "--positive-only").stdout)
+    plain = json.loads(run(tmp_path, EXAMPLE).stdout)
+    assert out["final"] == pytest.approx([max(f, 0.0) for f in plain["final"]])
+
+
+@pytest.mark.parametrize("option, message", [
+    ("calc=0.5", "not a task of the input"),
+    ("1=0", "positive number"),
+    ("1=x", "positive number"),
+    ("1", "positive number"),
+])
+def test_bad_task_scale_is_one_line_and_nonzero_exit(tmp_path, option, message):
+    result = run(tmp_path, EXAMPLE, "--task-scale", option)
+    assert result.exit_code == 2
+    assert message in result.stderr and result.stderr.count("\n") == 1 and result.stdout == ""
+
+
 @pytest.mark.parametrize("data, message", [
     ("{not json", "is not JSON"),
     ([1, 2], "must hold one JSON object"),
