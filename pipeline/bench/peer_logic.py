@@ -16,6 +16,11 @@ Settings (TRL 1.16's GRPOConfig, read from its source, beside ours):
   learner keeps lr constant after the warm-up; TRL's default is a linear decay); gradient checkpointing off (our
   learner recomputes nothing; TRL's default turns it on, which would cost it time for memory we do not need).
 - sampling: our temperature, top_p 1 and top_k off (our engines sample the full distribution, as TRL's defaults).
+- precision: `bf16` is our learner's compute dtype on this host (learner.compute_dtype): both are torch autocast
+  over float32 weights and optimizer state (mixed precision). TRL's own default is bf16=True; our learner's is
+  float32 on a CPU (schemas/precision.py). TRL's transformers generation runs under the same autocast (accelerate
+  wraps the prepared model's forward); our engines serve in engines.dtype, reported under `differences` when it is
+  not the learner's.
 
 Throughput is counted the same way on both sides: trained tokens are the policy's own tokens in trained
 trajectories (our loss_mask, TRL's completion mask times tool mask), over the wall time from the first rollout
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pipeline.analysis.evaluation import is_success, paired_change
 
@@ -64,14 +69,16 @@ FIXED_DIFFERENCES: tuple[str, ...] = (
 def matched(*, group_size: int, prompts_per_step: int, max_turns: int, max_new_tokens: int, max_total_len: int,
             temperature: float, lr: float, lr_warmup_steps: int, kl_coef: float, clip_ratio_low: float,
             clip_ratio_high: float, clip_ratio_c: float, grad_clip: float, weight_decay: float,
-            adam_betas: tuple[float, float], entropy_coef: float, steps: int, seed: int) -> dict[str, Any]:
-    """The settings both sides share, under our names (what `--json` reports as `matched`)."""
+            adam_betas: tuple[float, float], entropy_coef: float, steps: int, seed: int,
+            precision: Literal["float32", "bfloat16"]) -> dict[str, Any]:
+    """The settings both sides share, under our names (what `--json` reports as `matched`); `precision` is the
+    training's compute dtype as resolved on this host."""
     return {"group_size": group_size, "prompts_per_step": prompts_per_step, "max_turns": max_turns,
             "max_new_tokens": max_new_tokens, "max_total_len": max_total_len, "temperature": temperature, "lr": lr,
             "lr_warmup_steps": lr_warmup_steps, "kl_coef": kl_coef, "clip_ratio_low": clip_ratio_low,
             "clip_ratio_high": clip_ratio_high, "clip_ratio_c": clip_ratio_c, "grad_clip": grad_clip,
             "weight_decay": weight_decay, "adam_betas": list(adam_betas), "entropy_coef": entropy_coef,
-            "steps": steps, "seed": seed}
+            "steps": steps, "seed": seed, "precision": precision}
 
 
 def max_completion_length(shared: Mapping[str, Any]) -> int:
@@ -113,7 +120,7 @@ def grpo_config(shared: Mapping[str, Any], *, output_dir: str, use_vllm: bool) -
         "shuffle_dataset": False,  # the dispatcher's seed-0 order: the split's samples in index order
         "gradient_checkpointing": False,
         "use_cpu": True,
-        "bf16": False,
+        "bf16": shared["precision"] == "bfloat16",  # autocast over float32 weights, as our learner's bfloat16
         "use_vllm": use_vllm,
         "vllm_mode": "colocate",
         "save_strategy": "no",
@@ -124,7 +131,7 @@ def grpo_config(shared: Mapping[str, Any], *, output_dir: str, use_vllm: bool) -
 
 
 def differences(shared: Mapping[str, Any], *, entropy_coef: float, filter_all_equal: bool, stale_engines: int,
-                generation: str) -> list[str]:
+                generation: str, engine_dtype: str) -> list[str]:
     """Every setting that could not be matched: the fixed ones and those this configuration adds."""
     out = list(FIXED_DIFFERENCES)
     if entropy_coef:
@@ -135,6 +142,9 @@ def differences(shared: Mapping[str, Any], *, entropy_coef: float, filter_all_eq
     if stale_engines:
         out.append(f"engines: rollstream has {stale_engines} stale-pool engine(s) besides the current pool; TRL "
                    "generates with the policy being trained")
+    if engine_dtype != shared["precision"]:
+        out.append(f"generation precision: rollstream's engines serve in {engine_dtype} (engines.dtype), TRL generates "
+                   f"in {shared['precision']} (its bf16 autocast covers generation too)")
     out.append(f"generation: TRL used {generation}")
     return out
 

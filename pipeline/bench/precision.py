@@ -4,7 +4,9 @@ Engines: two real engines (`rollstream engine --dtype float32` and `--dtype bflo
 checkpoint, started together and measured one after the other with the other idle: the same
 `--requests` completions (the first-turn prompts of calc and db held-out samples, as the agent loop
 encodes them; `--max-new-tokens` each with ignore_eos; the agent loop's temperature; a fixed seed per
-request), `--concurrency` at a time; tokens/s from the wall time of all of them.
+request), `--concurrency` at a time; tokens/s from the wall time of all of them. Each engine first serves
+the same completions once untimed: an engine's first requests pay its cold start (until 2026-12-07 the float32
+engine, measured first, paid it alone: on a host without bfloat16 instructions `ratio` read 2.9 cold and 0.52 warm).
 
 Agreement: every token an engine sampled is scored again by the learner's own forward
 (learner/loss.py next_token_logits and token_logprobs, at the same temperature) in float32 and in
@@ -224,6 +226,7 @@ def bench_precision(
         engine_rates: dict[str, dict[str, Any]] = {}
         with engines(model_dir, run, Path(work) / "engines", longest) as served:
             for dtype, engine in served.items():
+                asyncio.run(generate(engine.url, prompts, max_new_tokens, loop.temperature, concurrency))  # warm-up
                 sampled[dtype], seconds = asyncio.run(generate(engine.url, prompts, max_new_tokens,
                                                                loop.temperature, concurrency))
                 engine_rates[dtype] = rate(sum(len(s.ids) for s in sampled[dtype]), seconds)

@@ -20,7 +20,7 @@ from pipeline.policy.model_init import CHAT_TEMPLATE, build_tokenizer
 SHARED = peer_logic.matched(group_size=8, prompts_per_step=6, max_turns=6, max_new_tokens=256, max_total_len=4096,
                             temperature=0.8, lr=1e-4, lr_warmup_steps=0, kl_coef=1e-4, clip_ratio_low=0.2,
                             clip_ratio_high=0.28, clip_ratio_c=3.0, grad_clip=1.0, weight_decay=0.0,
-                            adam_betas=(0.9, 0.999), entropy_coef=0.0, steps=24, seed=3)
+                            adam_betas=(0.9, 0.999), entropy_coef=0.0, steps=24, seed=3, precision="float32")
 
 
 def _calc_conversation() -> list[dict]:
@@ -112,6 +112,21 @@ def test_grpo_config_carries_every_shared_hyperparameter():
     assert config["shuffle_dataset"] is False
 
 
+def test_trl_trains_in_bf16_exactly_when_our_learner_does():
+    assert peer_logic.grpo_config(SHARED, output_dir="out", use_vllm=False)["bf16"] is False
+    assert peer_logic.grpo_config({**SHARED, "precision": "bfloat16"}, output_dir="out", use_vllm=False)["bf16"] is True
+
+
+def test_engines_in_another_precision_than_the_training_are_a_difference():
+    def listed(shared: dict, engine_dtype: str) -> bool:
+        out = peer_logic.differences(shared, entropy_coef=0.0, filter_all_equal=False, stale_engines=1,
+                                     generation="transformers", engine_dtype=engine_dtype)
+        return any(d.startswith("generation precision") for d in out)
+
+    assert not listed(SHARED, "float32")
+    assert listed({**SHARED, "precision": "bfloat16"}, "float32")
+
+
 def test_warmup_keeps_a_constant_rate_after_it():
     config = peer_logic.grpo_config({**SHARED, "lr_warmup_steps": 3}, output_dir="out", use_vllm=False)
     assert (config["lr_scheduler_type"], config["warmup_steps"]) == ("constant_with_warmup", 3)
@@ -131,11 +146,11 @@ def test_completion_budget_is_every_turn_within_the_total_length():
 
 def test_differences_name_what_this_configuration_adds():
     plain = peer_logic.differences(SHARED, entropy_coef=0.0, filter_all_equal=False, stale_engines=0,
-                                   generation="transformers")
+                                   generation="transformers", engine_dtype="float32")
     assert plain[:len(peer_logic.FIXED_DIFFERENCES)] == list(peer_logic.FIXED_DIFFERENCES)
     assert plain[-1] == "generation: TRL used transformers"
     more = peer_logic.differences(SHARED, entropy_coef=0.01, filter_all_equal=True, stale_engines=1,
-                                  generation="transformers")
+                                  generation="transformers", engine_dtype="float32")
     assert len(more) == len(plain) + 3
     assert any("entropy" in d for d in more) and any("stale" in d for d in more)
 
