@@ -3,6 +3,7 @@ budget when they die on their own, and stopped in waves in the reverse of their 
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -66,7 +67,7 @@ class RunningChild:
         log = open(log_path, "ab")
         # Its own session: Ctrl-C reaches only `up`, which stops every child in order.
         process = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                   start_new_session=True)
+                                   env={**child.env, **os.environ}, start_new_session=True)
         return cls(child, process, log_path, log)
 
     def log_tail(self, chars: int = 2500) -> str:

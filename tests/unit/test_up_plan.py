@@ -71,6 +71,13 @@ def test_every_child_serves_metrics_on_the_port_it_is_given_also_once_restarted(
     assert _parse(with_metrics_port(children[-2], 9200).restarted())["resume"]  # the learner still resumes
 
 
+def test_the_learner_alone_starts_with_openmp_threads_that_sleep_when_they_wait(cfg, tmp_path):
+    learner = learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555)
+    assert learner.env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert learner.restarted().env == learner.env
+    assert streams_child(cfg, "r1", tmp_path, 6070).env == {} and dispatcher_child(cfg, "r1", tmp_path).env == {}
+
+
 def test_an_engine_supervisor_takes_its_metrics_port_on_the_command_line():
     # pipeline/engine/launch.py passes --metrics-port to `rollstream engine`
     engine = Child("engine", command("engine", "--pool", "current", "--model", "m", "--metrics-port", "9300"))

@@ -45,6 +45,16 @@ def test_a_restart_names_the_last_line_the_process_wrote_past_kafka_client_noise
     assert last_words("%3|noise only\n") is None
 
 
+def test_a_child_gets_its_environment_where_the_inherited_one_does_not_set_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("ROLLSTREAM_TEST_SET", "inherited")
+    monkeypatch.delenv("ROLLSTREAM_TEST_UNSET", raising=False)
+    stack = Stack(tmp_path, max_restarts=0)
+    stack.start(Child("learner", ("sh", "-c", 'echo "$ROLLSTREAM_TEST_SET $ROLLSTREAM_TEST_UNSET"'),
+                      env={"ROLLSTREAM_TEST_SET": "child", "ROLLSTREAM_TEST_UNSET": "child"}))
+    _wait_exit(stack)
+    assert (tmp_path / "learner.log").read_text() == "inherited child\n"
+
+
 def test_a_finished_process_that_exited_zero_is_left_alone(tmp_path):
     stack = Stack(tmp_path, max_restarts=0)
     stack.start(Child("learner", ("sh", "-c", "exit 0")))
