@@ -39,10 +39,10 @@ def _task_scale(text: str, task_ids: list[Any]) -> dict[Any, float]:
     for pair in text.split(","):
         name, sep, value = pair.partition("=")
         try:
-            scale = float(value) if sep else float("nan")
+            scale = float(value)
         except ValueError:
-            scale = float("nan")
-        if not scale > 0:  # also NaN
+            scale = 0.0
+        if not sep or not scale > 0:  # `not >`: NaN too
             fail(f"--task-scale: expected TASK=S with S a positive number, got {pair!r}")
         if name not in by_name:
             fail(f"--task-scale names {name!r}, not a task of the input ({', '.join(sorted(by_name))})")
