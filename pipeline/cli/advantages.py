@@ -38,12 +38,13 @@ def _task_scale(text: str, task_ids: list[Any]) -> dict[Any, float]:
     scales: dict[Any, float] = {}
     for pair in text.split(","):
         name, sep, value = pair.partition("=")
+        malformed = f"--task-scale: expected TASK=S with S a positive number, got {pair!r}"
         try:
             scale = float(value)
         except ValueError:
-            scale = 0.0
+            fail(malformed)
         if not sep or not scale > 0:  # `not >`: NaN too
-            fail(f"--task-scale: expected TASK=S with S a positive number, got {pair!r}")
+            fail(malformed)
         if name not in by_name:
             fail(f"--task-scale names {name!r}, not a task of the input ({', '.join(sorted(by_name))})")
         scales[by_name[name]] = scale
