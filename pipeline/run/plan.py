@@ -44,6 +44,8 @@ class Child:
     """Where it serves Prometheus metrics (`with_metrics_port`), the same after a restart."""
     env: dict[str, str] = field(default_factory=dict)
     """Environment variables it starts with where the inherited environment does not set them."""
+    nice: int = 0
+    """How much its niceness is raised above ours when it starts (0: left alone; see popen_niced)."""
 
     def restarted(self) -> Child:
         return replace(self, argv=self.argv + self.restart_args, restart_args=())
@@ -110,7 +112,7 @@ def learner_child(cfg: RollstreamConfig, run: str, run_dir: Path, model_dir: Pat
     if resume:
         argv.append("--resume")
     return Child("learner", command("learner", *argv), {str(settings_path): settings_json(cfg.learner_settings())},
-                 env=dict(LEARNER_ENV),
+                 env=dict(LEARNER_ENV), nice=cfg.learner_nice,
                  restart_args=() if resume else ("--resume",))
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from pipeline.engine.launch import EngineProcess, stop_process_groups
+from pipeline.engine.launch import EngineProcess, popen_niced, stop_process_groups
 from pipeline.run.config import REPO_ROOT, write_private
 from pipeline.run.plan import Child
 
@@ -66,8 +66,8 @@ class RunningChild:
         log_path = log_dir / f"{child.name}.log"
         log = open(log_path, "ab")
         # Its own session: Ctrl-C reaches only `up`, which stops every child in order.
-        process = subprocess.Popen(child.argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
-                                   env={**child.env, **os.environ}, start_new_session=True)
+        process = popen_niced(list(child.argv), child.nice, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                              env={**child.env, **os.environ}, start_new_session=True)
         return cls(child, process, log_path, log)
 
     def log_tail(self, chars: int = 2500) -> str:

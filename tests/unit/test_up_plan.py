@@ -116,6 +116,12 @@ def test_learner_broadcasts_to_both_pools_and_stops_at_max_steps(cfg, tmp_path):
     assert params["max_steps"] == cfg.max_steps
 
 
+def test_the_learner_starts_at_the_configured_niceness_and_is_left_alone_by_default(cfg, tmp_path):
+    assert learner_child(cfg, "r1", tmp_path, tmp_path / "model", URLS, 29555).nice == 0
+    niced = cfg.model_copy(update={"learner_nice": 15})
+    assert learner_child(niced, "r1", tmp_path, tmp_path / "model", URLS, 29555).nice == 15
+
+
 def test_dispatcher_gets_the_mix_and_the_group_and_batch_sizes_of_the_streams(cfg, tmp_path):
     params = _parse(dispatcher_child(cfg, "r1", tmp_path))
     assert params["families"] == ",".join(cfg.mix.families)

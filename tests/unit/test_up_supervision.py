@@ -55,6 +55,20 @@ def test_a_child_gets_its_environment_where_the_inherited_one_does_not_set_it(tm
     assert (tmp_path / "learner.log").read_text() == "inherited child\n"
 
 
+def test_a_child_with_a_niceness_runs_that_much_nicer_than_us(tmp_path):
+    stack = Stack(tmp_path, max_restarts=0)
+    niced = stack.start(Child("learner", ("sleep", "30"), nice=3))
+    plain = stack.start(Child("streams", ("sleep", "30")))
+    try:
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, niced.process.pid) == min(19, ours + 3)
+        assert os.getpriority(os.PRIO_PROCESS, plain.process.pid) == ours
+    finally:
+        for c in stack.children:
+            c.process.kill()
+        _wait_exit(stack)
+
+
 def test_a_finished_process_that_exited_zero_is_left_alone(tmp_path):
     stack = Stack(tmp_path, max_restarts=0)
     stack.start(Child("learner", ("sh", "-c", "exit 0")))
