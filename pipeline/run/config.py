@@ -175,8 +175,8 @@ class RollstreamConfig(BaseSettings):
     """Scheduling niceness of the learner process, as engines.nice is the engines' (0: the same as the rest of the
     run; not in the paper, whose learner has GPUs of its own). Kept at 0 by every shipped configuration: on two
     cores shared with CPU engines, a learner niced to the engines' level (10) or below them (19) took 2-2.5x as
-    long per step as alone, its two torch threads waiting on each other's core, and the asynchronous pipeline
-    slowed (docs/BENCHMARKS.md, "bench pipeline", "A learner niced like the engines")."""
+    long per step as alone (on one AVX2 host; our reading: its two torch threads wait for each other's core) and
+    set the asynchronous pipeline's pace (docs/BENCHMARKS.md, "bench pipeline", "A learner niced like the engines")."""
     max_steps: int = Field(1000, ge=1)
     """Learner steps a `rollstream up` run trains for before its final validation and report. 1000 is the
     AgentRL paper's training length as we read it; no section of the paper is cited for it here, so treat it
