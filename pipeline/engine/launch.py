@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,7 +143,7 @@ def set_session_niceness(pid: int, nice: int, attempts: int = 20) -> bool:
     return False
 
 
-def popen_niced(command: list[str], nice: int, **popen: Any) -> subprocess.Popen:
+def popen_niced(command: Sequence[str], nice: int, **popen: Any) -> subprocess.Popen:
     """subprocess.Popen, then the process's niceness raised by `nice` (0: left alone). A process it starts
     afterwards inherits it: the engine supervisor takes seconds of imports before it starts vLLM. Started
     with start_new_session, its session gets the same niceness (see set_session_niceness)."""

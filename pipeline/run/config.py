@@ -173,10 +173,9 @@ class RollstreamConfig(BaseSettings):
     """PPO + KL (lr 1e-6, clip 0.2, dual clip 3, KL 1e-4, ...)."""
     learner_nice: int = Field(0, ge=0, le=19)
     """Scheduling niceness of the learner process, as engines.nice is the engines' (0: the same as the rest of the
-    run; not in the paper, whose learner has GPUs of its own). Kept at 0 by every shipped configuration: on two
-    cores shared with CPU engines, a learner niced to the engines' level (10) or below them (19) took 2-2.5x as
-    long per step as alone (on one AVX2 host; our reading: its two torch threads wait for each other's core) and
-    set the asynchronous pipeline's pace (docs/BENCHMARKS.md, "bench pipeline", "A learner niced like the engines")."""
+    run; not in the paper, whose learner has GPUs of its own). Every shipped configuration keeps 0: niced beside
+    CPU engines the learner's steps slowed and it set the asynchronous pipeline's pace (docs/BENCHMARKS.md,
+    "A learner niced like the engines")."""
     max_steps: int = Field(1000, ge=1)
     """Learner steps a `rollstream up` run trains for before its final validation and report. 1000 is the
     AgentRL paper's training length as we read it; no section of the paper is cited for it here, so treat it

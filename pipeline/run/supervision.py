@@ -66,7 +66,7 @@ class RunningChild:
         log_path = log_dir / f"{child.name}.log"
         log = open(log_path, "ab")
         # Its own session: Ctrl-C reaches only `up`, which stops every child in order.
-        process = popen_niced(list(child.argv), child.nice, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+        process = popen_niced(child.argv, child.nice, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
                               env={**child.env, **os.environ}, start_new_session=True)
         return cls(child, process, log_path, log)
 
